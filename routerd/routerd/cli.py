@@ -1,0 +1,157 @@
+"""The ``phasewise`` command line.
+
+Bad input (unknown names, invalid traces or parameters) ends with a one-line error
+on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+DEFAULT_PROFILE = "llama2-7b-v100"
+DEFAULT_INSTANCES = 4
+
+
+class UsageError(Exception):
+    """Raised for bad command-line input; printed as one line, exit code 2."""
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    from routerd.policies.registry import DEFAULT_BENCH_POLICIES
+    from routerd.workloads.registry import DEFAULT_WORKLOAD, WORKLOAD_NAMES
+
+    p = sub.add_parser(
+        "bench",
+        help="compare routing policies on a workload in the simulator",
+        description="Run policies on the same workload, instances and profile; print a table, "
+        "write JSON and a PNG plot.",
+    )
+    p.add_argument("--workload", "-w", default=DEFAULT_WORKLOAD,
+                   help=f"one of {', '.join(WORKLOAD_NAMES)} or a trace path (default: {DEFAULT_WORKLOAD}, "
+                        "the bundled Azure conv sample)")
+    p.add_argument("--profile", "-p", default=DEFAULT_PROFILE, help="hardware profile name or YAML path")
+    p.add_argument("--instances", "-m", type=int, default=DEFAULT_INSTANCES, help="number of instances")
+    p.add_argument("--policies", default=",".join(DEFAULT_BENCH_POLICIES),
+                   help="policy specs separated by ';' or ',' (name or name:key=value|key=value)")
+    p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s); traces are rescaled")
+    p.add_argument("--limit", type=int, default=None, help="first N requests of a trace")
+    p.add_argument("-n", type=int, default=None, help="requests of a generated workload (public-mix, paper-mix)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prediction", default="true", help="true | noisy[:ACC] | given | none")
+    p.add_argument("--action-interval", type=float, default=0.02, help="router tick while holding (s)")
+    p.add_argument("--data-dir", default=None, help="folder with traces/ and prompts/ (../shared/data)")
+    p.add_argument("--out", "-o", default="bench-out", help="folder for bench.json and bench.png")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--study8", action="store_true",
+                   help="the paper's 8-request study: all 2^8 assignments to 2 instances")
+
+
+def _split_specs(text: str) -> list[str]:
+    # ';' separates specs when parameters use ','; otherwise ',' separates names.
+    if ";" in text:
+        parts = text.split(";")
+    elif ":" in text:
+        parts = [text]
+    else:
+        parts = text.split(",")
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from routerd.bench import eight_request_study, run_bench
+    from routerd.bench_report import format_study, format_table, plot_bench
+    from routerd.profiles import get_profile
+    from routerd.workloads.registry import load_workload
+
+    if args.instances < 1:
+        raise UsageError(f"--instances must be >= 1, got {args.instances}")
+    if args.action_interval <= 0:
+        raise UsageError(f"--action-interval must be > 0, got {args.action_interval}")
+    profile = get_profile(args.profile)
+    specs = _split_specs(args.policies)
+    if not specs:
+        raise UsageError("--policies is empty")
+    out = Path(args.out)
+    if args.study8:
+        study = eight_request_study(profile, specs, seed=args.seed, prediction=args.prediction)
+        print(format_study(study))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "study8.json").write_text(json.dumps(study.as_dict(), indent=2))
+        print(f"wrote {out / 'study8.json'}")
+        return 0
+    wl = load_workload(args.workload, rate=args.rate, limit=args.limit, n=args.n, seed=args.seed,
+                       data_dir=args.data_dir)
+    progress_factory = _progress_factory()
+    bench = run_bench(wl.requests, profile, args.instances, specs, workload_name=wl.name,
+                      prediction=args.prediction, seed=args.seed, action_interval_s=args.action_interval,
+                      progress_factory=progress_factory)
+    print(format_table(bench))
+    out.mkdir(parents=True, exist_ok=True)
+    data = bench.as_dict()
+    data["workload_description"] = wl.description
+    (out / "bench.json").write_text(json.dumps(data, indent=2))
+    written = [str(out / "bench.json")]
+    if not args.no_plot:
+        plot_bench(bench, out / "bench.png")
+        written.append(str(out / "bench.png"))
+    print("wrote " + ", ".join(written))
+    return 0
+
+
+def _progress_factory():
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    def make(spec: str, total: int):
+        bar = tqdm(total=total, desc=spec, unit="req", leave=False, file=sys.stderr)
+
+        def update(k: int) -> None:
+            bar.update(k)
+            if bar.n >= total:
+                bar.close()
+
+        return update
+
+    return make
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``phasewise``."""
+    from routerd import __version__
+
+    parser = argparse.ArgumentParser(prog="phasewise", description="Phasewise: workload-aware LLM request routing.")
+    parser.add_argument("--version", action="version", version=f"phasewise {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``phasewise`` console script; returns the exit code."""
+    from routerd.policies.registry import PolicyError
+    from routerd.profiles import ProfileError
+    from routerd.sim import PredictionError
+    from routerd.workloads.errors import WorkloadError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "bench":
+            return _cmd_bench(args)
+    except (UsageError, PolicyError, ProfileError, PredictionError, WorkloadError) as e:
+        print(f"phasewise: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("phasewise: interrupted", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""The one routing-policy interface and the read-only views a policy decides on.
+
+A policy sees what a real router can see (llm-d's endpoint picker is the model):
+per instance the running and waiting counts, KV-cache usage, and for each resident
+request its prompt tokens, tokens generated so far and predicted decode bucket. It
+never sees true output lengths, except a policy whose class sets ``oracle = True``:
+only those are handed :class:`OracleRequestFeatures` / :class:`OracleResident`
+objects (the simulator enforces this; see ``tests/test_policies_contract.py``).
+
+``pick`` returns the index of the chosen instance, or ``None`` to hold the request
+in the router queue (the paper's "no-action", arXiv 2408.13510 §5.3).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Protocol, Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+from routerd.model import PREDICTOR_BUCKET_EDGES
+
+if TYPE_CHECKING:
+    from routerd.profiles import HardwareProfile
+
+
+@dataclass(slots=True, frozen=True)
+class RequestFeatures:
+    """What the router knows about a request before it is dispatched."""
+
+    id: int
+    arrival_s: float
+    """Arrival time at the router (s)."""
+    prompt_tokens: int
+    predicted_bucket: int | None
+    """Predicted output bucket (index into the context's ``bucket_edges``) or None."""
+    predicted_output_tokens: float
+    """A point estimate of the output length from the predicted bucket (tokens)."""
+    task: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class OracleRequestFeatures(RequestFeatures):
+    """Features plus the true output length; only for ``oracle = True`` policies."""
+
+    output_tokens: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class ResidentRequest:
+    """A request that an instance holds (waiting, prefilling or decoding)."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    """Output tokens generated so far (kept across a preemption)."""
+    predicted_bucket: int | None
+    predicted_output_tokens: float
+    in_prefill: bool
+    """True while the prompt (or a recompute after preemption) is not fully computed."""
+    waiting: bool
+    """True while in the instance's waiting queue (not yet admitted, or preempted)."""
+
+
+@dataclass(slots=True, frozen=True)
+class OracleResident(ResidentRequest):
+    """Resident request plus its true output length; only for oracle policies."""
+
+    output_tokens: int = 0
+
+
+class InstanceView(Protocol):
+    """State of one serving instance at the decision time (read-only)."""
+
+    index: int
+    num_running: int
+    num_waiting: int
+    kv_used_blocks: int
+    kv_total_blocks: int
+    block_size: int
+
+    @property
+    def kv_usage(self) -> float:
+        """Used / total KV blocks, 0..1 (``vllm:kv_cache_usage_perc``)."""
+        ...
+
+    def residents(self) -> Sequence[ResidentRequest]:
+        """Requests on the instance: running first (admission order), then waiting."""
+        ...
+
+
+@dataclass(slots=True)
+class ClusterView:
+    """The router's view of the cluster at one decision."""
+
+    now: float
+    """Current time (s)."""
+    instances: Sequence[InstanceView]
+    queue_len: int
+    """Requests in the router queue, including the one being decided."""
+
+
+@dataclass(slots=True)
+class PolicyContext:
+    """Static facts a policy may use, given once at construction."""
+
+    profile: "HardwareProfile"
+    num_instances: int
+    seed: int = 0
+    bucket_edges: tuple[int, ...] = field(default=PREDICTOR_BUCKET_EDGES)
+
+
+class PolicyParams(BaseModel):
+    """Base of each policy's typed parameters (unknown keys are rejected)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RoutingPolicy(ABC):
+    """One routing policy. Subclasses set ``name``, ``Params`` and implement ``pick``."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[PolicyParams]] = PolicyParams
+    oracle: ClassVar[bool] = False
+    """True only for policies allowed to read true output lengths (upper bounds)."""
+
+    def __init__(self, ctx: PolicyContext, params: PolicyParams | None = None) -> None:
+        self.ctx = ctx
+        self.params = params if params is not None else self.Params()
+
+    @abstractmethod
+    def pick(self, request: RequestFeatures, view: ClusterView) -> int | None:
+        """Choose an instance index for ``request``, or ``None`` to hold it."""
+
+    def on_complete(self, instance: int, request_id: int, now: float) -> None:  # noqa: B027
+        """Told when a request finishes on ``instance`` (optional hook)."""

@@ -1,0 +1,112 @@
+"""The policy registry: names to classes, spec parsing and construction with typed parameters.
+
+Every policy is listed here explicitly (no decorators, no import side effects), as
+llm-d lists its in-tree plugins in one place. A policy spec on the command line is
+``name`` or ``name:key=value,key=value``; values stay strings (``none``/``null``
+become None) and each policy's pydantic ``Params`` converts them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from routerd.policies.base import PolicyContext, RoutingPolicy
+from routerd.policies.decode_balancer import DecodeBalancer
+from routerd.policies.join_shortest_queue import JoinShortestQueue
+from routerd.policies.kv_headroom import LateBinding
+from routerd.policies.kv_queue_scorer import QueueKvScorer
+from routerd.policies.least_outstanding_tokens import LeastOutstandingTokens
+from routerd.policies.max_capacity_usage import MaxCapacityUsage
+from routerd.policies.min_min import MinMin
+from routerd.policies.mixing_penalty import MixingPenalty
+from routerd.policies.oracle import Oracle
+from routerd.policies.power_of_two_choices import PowerOfTwoChoices
+from routerd.policies.random_choice import RandomChoice
+from routerd.policies.round_robin import RoundRobin
+
+
+class PolicyError(ValueError):
+    """An unknown policy name, a malformed spec, or an invalid parameter (named in the message)."""
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    cls.name: cls
+    for cls in (
+        RoundRobin,
+        RandomChoice,
+        JoinShortestQueue,
+        LeastOutstandingTokens,
+        PowerOfTwoChoices,
+        MaxCapacityUsage,
+        MinMin,
+        QueueKvScorer,
+        MixingPenalty,
+        LateBinding,
+        DecodeBalancer,
+        Oracle,
+    )
+}
+"""Every routing policy by its ``name``."""
+
+DEFAULT_BENCH_POLICIES: list[str] = [name for name, cls in POLICIES.items() if not cls.oracle] + ["oracle"]
+"""Policies a benchmark runs unless told otherwise: every non-oracle one, then ``oracle``."""
+
+
+def policy_names() -> list[str]:
+    """Registered policy names, in registry order."""
+    return list(POLICIES)
+
+
+def _parse_value(text: str) -> Any:
+    return None if text.strip().lower() in ("none", "null") else text.strip()
+
+
+def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """Split ``"name:key=value,key=value"`` into ``(name, {key: value})``.
+
+    Raises:
+        PolicyError: empty name, an item without ``=``, an empty key, or a repeated key.
+    """
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    if not name:
+        raise PolicyError(f"policy spec {spec!r}: empty policy name")
+    params: dict[str, Any] = {}
+    if rest.strip():
+        for item in rest.split(","):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or not key:
+                raise PolicyError(f"policy spec {spec!r}: expected key=value, got {item!r}")
+            if key in params:
+                raise PolicyError(f"policy spec {spec!r}: parameter {key!r} given twice")
+            params[key] = _parse_value(value)
+    return name, params
+
+
+def build_policy(name: str, params: dict[str, Any] | None, ctx: PolicyContext) -> RoutingPolicy:
+    """Construct policy ``name`` with ``params`` validated by its ``Params`` model.
+
+    Raises:
+        PolicyError: unknown name (the message lists the valid ones), or an invalid
+            or unknown parameter (the message names the policy and the field).
+    """
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise PolicyError(f"unknown policy {name!r}; valid: {', '.join(POLICIES)}")
+    try:
+        typed = cls.Params.model_validate(params or {})
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "params"
+        fields = ", ".join(cls.Params.model_fields) or "none"
+        raise PolicyError(f"policy {name!r}: field {field}: {err['msg']} (fields: {fields})") from None
+    return cls(ctx, typed)
+
+
+def build_policy_from_spec(spec: str, ctx: PolicyContext) -> RoutingPolicy:
+    """``build_policy(*parse_policy_spec(spec), ctx)``."""
+    name, params = parse_policy_spec(spec)
+    return build_policy(name, params, ctx)

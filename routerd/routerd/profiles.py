@@ -1,0 +1,187 @@
+"""Hardware profiles: the per-iteration latency model and the scheduler limits of one instance.
+
+One iteration (a vLLM engine step) that computes ``P`` prefill tokens in chunks
+``c_k`` (each with ``kv_k`` tokens already cached for that request) and ``B`` decodes
+whose KV contexts sum to ``S`` tokens takes::
+
+    t = overhead_s
+        + prefill_per_token_s * P
+        + prefill_attn_s * sum_k c_k * (kv_k + c_k)     # prefill attention, quadratic
+        + decode_per_seq_s * B
+        + decode_per_ctx_token_s * S                   # decode attention reads the KV cache
+
+This is the closed form of ``vllm-and-simulators.md`` §6.1 (Vidur-style: a fixed
+overhead, linear token terms, attention terms) without the flat small-batch floor.
+Each shipped profile lives in ``routerd/data/profiles/<name>.yaml`` with the source
+of every number beside it.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ProfileError(ValueError):
+    """A profile name is unknown or a profile file is invalid."""
+
+
+class HardwareProfile(BaseModel):
+    """Latency model and scheduler limits of one serving instance (one model on one GPU)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    """Profile name, e.g. ``llama2-7b-a100``."""
+    description: str = ""
+    """What hardware and model the profile describes, and how it was calibrated."""
+    overhead_s: float = Field(ge=0)
+    """Fixed cost of every iteration (s): scheduler, sampler, kernel launches."""
+    prefill_per_token_s: float = Field(ge=0)
+    """Cost per prefill token in the batch (s/token), linear layers."""
+    prefill_attn_s: float = Field(default=0.0, ge=0)
+    """Prefill attention cost per chunk token times attended tokens (s/token^2)."""
+    decode_per_seq_s: float = Field(ge=0)
+    """Cost per decoding request in the batch (s/request)."""
+    decode_per_ctx_token_s: float = Field(ge=0)
+    """Cost per resident context token of the decoding requests (s/token)."""
+    kv_capacity_tokens: int = Field(gt=0)
+    """KV-cache capacity in tokens (a multiple of ``block_size``)."""
+    block_size: int = Field(default=16, gt=0)
+    """KV-cache block size in tokens (vLLM default 16)."""
+    max_num_seqs: int = Field(gt=0)
+    """Most requests running at once (vLLM ``max_num_seqs``)."""
+    max_num_batched_tokens: int = Field(gt=0)
+    """Token budget of one iteration (vLLM ``max_num_batched_tokens``)."""
+    chunked_prefill: bool
+    """Whether a prefill may be split across iterations to fit the token budget."""
+    max_model_len: int = Field(gt=0)
+    """Longest prompt + output a request may have (tokens)."""
+    grad1: float = Field(gt=0)
+    """Mixing estimator: prefill time per prompt token (s/token), paper §5.2."""
+    grad2: float = Field(gt=0)
+    """Mixing estimator: decode-side gradient (paper §5.2; units unclear, see estimator)."""
+    decode_token_time_s: float = Field(gt=0)
+    """Average decode iteration time under load (s); converts decode tokens to seconds."""
+    heavy_prefill_s: float = Field(default=0.5, gt=0)
+    """Prefill time at or above which a prompt is heavy (paper §4.2: 0.5 s)."""
+    heavy_decode_s: float = Field(default=5.0, gt=0)
+    """Decode time at or above which a response is heavy (paper §4.2: 5 s)."""
+    sources: dict[str, str] = Field(default_factory=dict)
+    """Where each number comes from (field name -> source)."""
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> "HardwareProfile":
+        if self.kv_capacity_tokens % self.block_size:
+            raise ValueError(
+                f"kv_capacity_tokens={self.kv_capacity_tokens} is not a multiple of block_size={self.block_size}"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # vLLM refuses this too: every running decode must fit one step's budget.
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs={self.max_num_seqs}"
+            )
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len}), as in vLLM"
+            )
+        return self
+
+    @property
+    def num_blocks(self) -> int:
+        """KV-cache blocks per instance."""
+        return self.kv_capacity_tokens // self.block_size
+
+    def prefill_time(self, tokens: int, cached: int = 0) -> float:
+        """Time (s) of an iteration that only prefills ``tokens`` tokens of one request."""
+        return (
+            self.overhead_s
+            + self.prefill_per_token_s * tokens
+            + self.prefill_attn_s * tokens * (cached + tokens)
+        )
+
+    def decode_time(self, batch: int, context_tokens: int) -> float:
+        """Time (s) of a decode-only iteration of ``batch`` requests with ``context_tokens`` resident."""
+        return self.overhead_s + self.decode_per_seq_s * batch + self.decode_per_ctx_token_s * context_tokens
+
+    def lone_request_time(self, prompt: int, output: int) -> float:
+        """E2E latency (s) of one request alone on the instance (chunking ignored)."""
+        t = self.prefill_time(prompt)
+        n = output - 1  # decode iterations after the prefill produced the first token
+        # contexts prompt+1 .. prompt+n: arithmetic series
+        ctx_sum = n * prompt + n * (n + 1) // 2
+        return t + n * (self.overhead_s + self.decode_per_seq_s) + self.decode_per_ctx_token_s * ctx_sum
+
+    def blocks_for(self, tokens: int) -> int:
+        """KV blocks needed to hold ``tokens`` tokens."""
+        return -(-tokens // self.block_size)
+
+    def heavy_prefill(self, prompt_tokens: int) -> bool:
+        """Paper §4.2 class: prefill time >= ``heavy_prefill_s``."""
+        return self.grad1 * prompt_tokens >= self.heavy_prefill_s
+
+    def heavy_decode(self, output_tokens: float) -> bool:
+        """Paper §4.2 class: decode time >= ``heavy_decode_s``."""
+        return output_tokens * self.decode_token_time_s >= self.heavy_decode_s
+
+    def decode_tokens_per_second(self) -> float:
+        """Decode tokens per second at the average decode iteration time, for one request."""
+        return 1.0 / self.decode_token_time_s
+
+    def derived_bucket_edges(self, base_s: float = 0.5, factor: float = 4.0, n: int = 3) -> tuple[int, ...]:
+        """Bucket edges (tokens) from decode speed: times base_s * factor**k, k < n (paper §5.1)."""
+        rate = self.decode_tokens_per_second()
+        return tuple(int(math.floor(base_s * factor**k * rate)) for k in range(n))
+
+
+def _profiles_dir() -> Path:
+    return Path(str(resources.files("routerd") / "data" / "profiles"))
+
+
+def profile_names() -> list[str]:
+    """Names of the shipped profiles, sorted."""
+    return sorted(p.stem for p in _profiles_dir().glob("*.yaml"))
+
+
+def load_profile_file(path: str | Path) -> HardwareProfile:
+    """Load a profile from a YAML file.
+
+    Raises:
+        ProfileError: the file is missing, not YAML, or a field is invalid (named in the message).
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read profile: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ProfileError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: a profile must be a mapping of fields")
+    try:
+        return HardwareProfile.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "profile"
+        raise ProfileError(f"{path}: field {loc}: {err['msg']}") from None
+
+
+@cache
+def get_profile(name_or_path: str) -> HardwareProfile:
+    """A shipped profile by name, or a profile YAML file by path.
+
+    Raises:
+        ProfileError: unknown name (the message lists the valid ones) or invalid file.
+    """
+    if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
+        return load_profile_file(name_or_path)
+    path = _profiles_dir() / f"{name_or_path}.yaml"
+    if not path.exists():
+        raise ProfileError(f"unknown profile {name_or_path!r}; valid: {', '.join(profile_names())}")
+    return load_profile_file(path)

@@ -1,0 +1,271 @@
+"""Cluster simulator: a router with a queue in front of several simulated vLLM instances.
+
+The event loop is a heap of ``(time, seq, event)`` with a per-run sequence number for
+deterministic tie-breaks; arrivals are merged in from the time-sorted workload.
+The router decides on every arrival, after every completion while requests wait in
+its queue, and every ``action_interval_s`` (default 0.02 s, the paper's action
+interval, arXiv 2408.13510 §6) while its queue is non-empty. At each decision it
+offers the queue head to the policy until the policy holds (returns ``None``) or the
+queue is empty.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from routerd.policies.base import (
+    ClusterView,
+    OracleRequestFeatures,
+    OracleResident,
+    RequestFeatures,
+    ResidentRequest,
+    RoutingPolicy,
+)
+from routerd.profiles import HardwareProfile
+from routerd.sim.instance import AdmissionGate, SimInstance
+from routerd.sim.request import DECODE, WAITING, SimRequest
+
+
+class SimulationError(RuntimeError):
+    """The simulation cannot proceed (a policy returned an invalid choice)."""
+
+
+class SimInstanceView:
+    """:class:`routerd.policies.base.InstanceView` of a simulated instance at one time."""
+
+    __slots__ = ("index", "num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks",
+                 "block_size", "_inst", "_now", "_oracle")
+
+    def __init__(self, inst: SimInstance, now: float, oracle: bool) -> None:
+        self.index = inst.index
+        self.num_running = len(inst.running)
+        self.num_waiting = len(inst.waiting)
+        self.kv_used_blocks = inst.used_blocks_at(now)
+        self.kv_total_blocks = inst.total_blocks
+        self.block_size = inst.bs
+        self._inst = inst
+        self._now = now
+        self._oracle = oracle
+
+    @property
+    def kv_usage(self) -> float:
+        """Used / total KV blocks (0..1)."""
+        return self.kv_used_blocks / self.kv_total_blocks
+
+    def residents(self) -> list[ResidentRequest]:
+        """Running requests (admission order) then waiting ones, as the router sees them."""
+        inst = self._inst
+        D = inst.decode_iters_at(self._now)
+        out: list[ResidentRequest] = []
+        for group in (inst.running, inst.waiting):
+            for r in group:
+                gen = r.gen_base + D - r.dec_base if r.state == DECODE else r.generated
+                if self._oracle:
+                    out.append(OracleResident(r.prompt, gen, r.bucket, r.pred_tokens,
+                                              r.state != DECODE, r.state == WAITING, r.output))
+                else:
+                    out.append(ResidentRequest(r.prompt, gen, r.bucket, r.pred_tokens,
+                                               r.state != DECODE, r.state == WAITING))
+        return out
+
+
+class _LazyViews(Sequence[SimInstanceView]):
+    """Instance views built on first access (round robin looks at one, JSQ at all)."""
+
+    __slots__ = ("_insts", "_now", "_oracle", "_cache")
+
+    def __init__(self, insts: list[SimInstance], now: float, oracle: bool) -> None:
+        self._insts = insts
+        self._now = now
+        self._oracle = oracle
+        self._cache: list[SimInstanceView | None] = [None] * len(insts)
+
+    def __len__(self) -> int:
+        return len(self._insts)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        v = self._cache[i]
+        if v is None:
+            v = self._cache[i] = SimInstanceView(self._insts[i], self._now, self._oracle)
+        return v
+
+    def __iter__(self):
+        for i in range(len(self._insts)):
+            yield self[i]
+
+
+@dataclass
+class ClusterRun:
+    """Everything one simulation produced (see :mod:`routerd.sim.report` for summaries)."""
+
+    requests: list[SimRequest]
+    """All simulated requests, in workload order, with their timestamps filled in."""
+    instances: list[SimInstance]
+    end_s: float
+    """Simulated time of the last event (s)."""
+    decisions: int
+    """Calls to ``policy.pick``."""
+    holds: int
+    """Decisions that returned ``None`` (request held at the router)."""
+
+
+class ClusterSimulator:
+    """Runs one workload through a router policy and ``num_instances`` identical instances.
+
+    Args:
+        profile: hardware profile of every instance.
+        num_instances: number of instances (>= 1).
+        policy: the routing policy (see :mod:`routerd.policies`).
+        action_interval_s: router tick while requests are held (s).
+        admission_gate: ``"full"`` or ``"chunk"`` (see :class:`SimInstance`).
+    """
+
+    def __init__(
+        self,
+        profile: HardwareProfile,
+        num_instances: int,
+        policy: RoutingPolicy,
+        *,
+        action_interval_s: float = 0.02,
+        admission_gate: AdmissionGate = "full",
+    ) -> None:
+        if num_instances < 1:
+            raise ValueError(f"num_instances must be >= 1, got {num_instances}")
+        if action_interval_s <= 0:
+            raise ValueError(f"action_interval_s must be > 0, got {action_interval_s}")
+        self.profile = profile
+        self.policy = policy
+        self.action_interval_s = action_interval_s
+        self._heap: list[tuple[float, int, object]] = []
+        self._seq = 0
+        self.instances = [
+            SimInstance(i, profile, self._schedule_step, self._first_token, self._finish, admission_gate)
+            for i in range(num_instances)
+        ]
+        self.queue: deque[SimRequest] = deque()
+        self._idle_dispatched: list[SimInstance] = []
+        self._tick_pending = False
+        self._completed_since_decide = False
+        self._oracle = bool(getattr(policy, "oracle", False))
+        self.decisions = 0
+        self.holds = 0
+        self.finished = 0
+        self.on_finish: Callable[[SimRequest, float], None] | None = None
+
+    # -- event plumbing -------------------------------------------------------
+    def _push(self, t: float, ev: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, ev))
+
+    def _schedule_step(self, t: float, inst: SimInstance) -> None:
+        self._push(t, (inst, inst.version))
+
+    def _first_token(self, r: SimRequest, t: float) -> None:
+        pass
+
+    def _finish(self, r: SimRequest, t: float) -> None:
+        self.finished += 1
+        self._completed_since_decide = True
+        self.policy.on_complete(r.instance, r.id, t)
+        if self.on_finish is not None:
+            self.on_finish(r, t)
+
+    # -- router ---------------------------------------------------------------
+    def view(self, now: float) -> ClusterView:
+        """The router's view at ``now`` (what a policy is given)."""
+        oracle = self._oracle
+        return ClusterView(now, _LazyViews(self.instances, now, oracle), len(self.queue))
+
+    def dispatch(self, r: SimRequest, choice: int, now: float) -> None:
+        """Send ``r`` to instance ``choice`` at ``now``."""
+        r.dispatch_s = now
+        inst = self.instances[choice]
+        if not inst.busy:
+            self._idle_dispatched.append(inst)
+        inst.enqueue(r, now)
+
+    def decide(self, now: float) -> None:
+        """Offer queued requests to the policy until it holds or the queue is empty."""
+        q = self.queue
+        pick = self.policy.pick
+        n = len(self.instances)
+        self._completed_since_decide = False
+        while q:
+            r = q[0]
+            self.decisions += 1
+            choice = pick(r.features, self.view(now))
+            if choice is None:
+                self.holds += 1
+                break
+            if type(choice) is not int or not 0 <= choice < n:
+                raise SimulationError(
+                    f"policy {self.policy.name!r} returned {choice!r} for request {r.id}; "
+                    f"expected an instance index 0..{n - 1} or None"
+                )
+            q.popleft()
+            self.dispatch(r, choice, now)
+        if self._idle_dispatched:
+            # Requests dispatched in one round at the same instant share the first step.
+            for inst in self._idle_dispatched:
+                inst.start(now)
+            self._idle_dispatched.clear()
+        if q and not self._tick_pending:
+            self._tick_pending = True
+            k = math.floor(now / self.action_interval_s + 1e-9) + 1
+            self._push(k * self.action_interval_s, None)
+
+    # -- run ------------------------------------------------------------------
+    def run(self, requests: Sequence[SimRequest], progress: Callable[[int], None] | None = None) -> ClusterRun:
+        """Simulate until every request has finished; ``requests`` must be sorted by arrival.
+
+        ``progress`` (optional) is called with the number of newly finished requests.
+        """
+        for r in requests:
+            if r.features is None:
+                r.features = make_features(r, self._oracle)
+        heap = self._heap
+        pop = heapq.heappop
+        arrivals = list(requests)
+        ai = 0
+        na = len(arrivals)
+        now = 0.0
+        reported = 0
+        while ai < na or heap:
+            if heap and (ai >= na or heap[0][0] < arrivals[ai].arrival_s):
+                now, _, ev = pop(heap)
+                if ev is None:
+                    self._tick_pending = False
+                    self.decide(now)
+                    continue
+                inst, version = ev  # type: ignore[misc]
+                if version != inst.version:
+                    continue
+                inst.step_end(now)
+                if self._completed_since_decide and self.queue:
+                    self.decide(now)
+                if progress is not None and self.finished - reported >= 256:
+                    progress(self.finished - reported)
+                    reported = self.finished
+            else:
+                now = arrivals[ai].arrival_s
+                # Simultaneous arrivals reach the router together.
+                while ai < na and arrivals[ai].arrival_s == now:
+                    self.queue.append(arrivals[ai])
+                    ai += 1
+                self.decide(now)
+        if progress is not None and self.finished > reported:
+            progress(self.finished - reported)
+        return ClusterRun(list(requests), self.instances, now, self.decisions, self.holds)
+
+
+def make_features(r: SimRequest, oracle: bool) -> RequestFeatures:
+    """The router-visible features of a request (with the true length only for oracles)."""
+    if oracle:
+        return OracleRequestFeatures(r.id, r.arrival_s, r.prompt, r.bucket, r.pred_tokens, r.task, r.output)
+    return RequestFeatures(r.id, r.arrival_s, r.prompt, r.bucket, r.pred_tokens, r.task)

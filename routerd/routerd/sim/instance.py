@@ -1,0 +1,446 @@
+"""One simulated vLLM V1 instance: continuous batching, KV blocks, preemption by recompute.
+
+Scheduling follows vLLM V1's ``Scheduler.schedule()`` (``vllm-and-simulators.md`` §1):
+
+1. RUNNING first, in admission order, within the token budget
+   ``max_num_batched_tokens``: a decode costs one token; an unfinished prefill
+   continues, chunked to the remaining budget when chunked prefill is on.
+2. When a running request cannot get a KV block, the most recently admitted running
+   request is preempted (recompute): its blocks are freed, it goes to the *front* of the
+   waiting queue, its generated tokens are kept and recomputed with the prompt when it
+   is admitted again. If the victim is the request itself, running scheduling stops.
+3. WAITING requests are admitted FCFS only if nothing was preempted this step; the
+   head blocks the rest when it does not fit (blocks, ``max_num_seqs`` or, without
+   chunked prefill, the budget). ``admission_gate="full"`` (vLLM's newer default
+   ``scheduler_reserve_full_isl``) admits only if the whole current sequence fits in
+   free blocks; ``"chunk"`` (older V1) checks only the first chunk.
+
+Speed: a run of iterations in which only decodes execute and nothing can change the
+batch (no prefill in flight, the waiting head cannot be admitted, no request finishes,
+no KV block runs out) is simulated as one *segment* in O(block_size) time: iteration
+times form an arithmetic series (each iteration adds one context token per decode) and
+block allocations follow each request's position modulo the block size. The cost of a
+simulation therefore grows with events (arrivals, admissions, completions,
+preemptions), not with tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from typing import TYPE_CHECKING, Callable, Literal
+
+from routerd.profiles import HardwareProfile
+from routerd.sim.request import DECODE, DONE, PREFILL, WAITING, SimRequest
+
+if TYPE_CHECKING:
+    pass
+
+AdmissionGate = Literal["full", "chunk"]
+
+
+class SimInstance:
+    """A vLLM-like instance driven by an external event loop.
+
+    The owner calls :meth:`enqueue` when the router dispatches a request and
+    :meth:`step_end` when the event it was asked to schedule fires. The instance asks
+    for events through ``schedule_event(time, instance)`` and reports through
+    ``on_first_token(req, t)`` and ``on_finish(req, t)``.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        profile: HardwareProfile,
+        schedule_event: Callable[[float, "SimInstance"], None],
+        on_first_token: Callable[[SimRequest, float], None],
+        on_finish: Callable[[SimRequest, float], None],
+        admission_gate: AdmissionGate = "full",
+    ) -> None:
+        self.index = index
+        self.profile = profile
+        self._schedule_event = schedule_event
+        self._on_first_token = on_first_token
+        self._on_finish = on_finish
+        self.full_gate = admission_gate == "full"
+        p = profile
+        self.bs = p.block_size
+        self.total_blocks = p.num_blocks
+        self.max_seqs = p.max_num_seqs
+        self.budget = p.max_num_batched_tokens
+        self.chunked = p.chunked_prefill
+        self.a = p.overhead_s
+        self.k_pf = p.prefill_per_token_s
+        self.k_attn = p.prefill_attn_s
+        self.k_seq = p.decode_per_seq_s
+        self.k_ctx = p.decode_per_ctx_token_s
+
+        self.running: list[SimRequest] = []
+        self.waiting: deque[SimRequest] = deque()
+        self.free_blocks = self.total_blocks
+        self.D = 0  # decode iterations completed
+        self.n_dec = 0  # decoding requests
+        self.ctx_sum = 0  # sum over decoding requests of prompt + generated(D)
+        self.phase = [0] * self.bs  # decoding requests by block-allocation residue
+        self.fin_heap: list[tuple[int, int, int, SimRequest]] = []
+        self.n_prefill = 0  # running requests still prefilling
+        self.admit_seq = 0
+
+        # The iteration (or segment of iterations) in flight.
+        self.busy = False
+        self.version = 0  # bumps when the pending event is replaced
+        self.seg_t0 = 0.0
+        self.seg_t1 = 0.0  # first iteration's duration
+        self.seg_slope = 0.0  # growth of the iteration time per iteration
+        self.seg_K = 0  # iterations in the segment
+        self.seg_end = 0.0
+        self.seg_decode_only = True
+        self.step_chunks: list[tuple[SimRequest, int]] = []
+        self.step_dec = False
+
+        # Counters for reports and views.
+        self.preemptions = 0
+        self.iterations = 0
+        self.busy_time = 0.0
+        self.prefill_tokens_done = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _elapsed(self, j: int) -> float:
+        return j * self.seg_t1 + self.seg_slope * j * (j - 1) * 0.5
+
+    def _iters_done(self, t: float) -> int:
+        """Iterations of the current segment completed by time ``t`` (0..seg_K)."""
+        if not self.busy:
+            return 0
+        e = t - self.seg_t0
+        if e <= 0.0:
+            return 0
+        t1, s = self.seg_t1, self.seg_slope
+        if s <= 0.0:
+            j = int(e / t1)
+        else:
+            b = t1 - 0.5 * s
+            j = int((-b + math.sqrt(b * b + 2.0 * s * e)) / s)
+        # Guard against floating-point rounding at boundaries.
+        while j > 0 and self._elapsed(j) > e:
+            j -= 1
+        while j < self.seg_K and self._elapsed(j + 1) <= e:
+            j += 1
+        return min(j, self.seg_K)
+
+    def _allocs(self, K: int) -> int:
+        """KV blocks the decoding requests allocate over the next ``K`` iterations."""
+        if K <= 0 or self.n_dec == 0:
+            return 0
+        bs = self.bs
+        full, rem = divmod(K, bs)
+        total = full * self.n_dec
+        ph = self.phase
+        D = self.D
+        for j in range(1, rem + 1):
+            total += ph[(D + j) % bs]
+        return total
+
+    def _first_shortfall(self) -> int:
+        """Index (1-based, from now) of the first iteration whose decode blocks do not fit."""
+        n = self.n_dec
+        if n == 0:
+            return 1 << 60
+        free = self.free_blocks
+        q = free // n
+        rem = free - q * n
+        bs = self.bs
+        ph = self.phase
+        D = self.D
+        cum = 0
+        for j in range(1, bs + 1):
+            cum += ph[(D + j) % bs]
+            if cum > rem:
+                return q * bs + j
+        return q * bs + bs  # unreachable: a full cycle allocates n > rem blocks
+
+    def _start_decode(self, r: SimRequest) -> None:
+        r.state = DECODE
+        r.dec_base = self.D
+        r.gen_base = r.generated
+        # New block at absolute iteration k iff (prompt + gen_base + k - 1 - dec_base - 1) % bs == 0.
+        rho = -(r.prompt + r.generated - self.D - 2) % self.bs
+        r.phase = rho
+        self.phase[rho] += 1
+        self.n_dec += 1
+        self.ctx_sum += r.prompt + r.generated
+        r.finish_D = self.D + (r.output - r.generated)
+        heapq.heappush(self.fin_heap, (r.finish_D, r.id, r.epoch, r))
+
+    def _stop_decode(self, r: SimRequest) -> None:
+        """Remove a decoding request from the aggregates; returns nothing, updates ``generated``."""
+        gen = r.gen_base + self.D - r.dec_base
+        r.generated = gen
+        self.phase[r.phase] -= 1
+        self.n_dec -= 1
+        self.ctx_sum -= r.prompt + gen
+        r.epoch += 1  # invalidates its finish-heap entry
+
+    def _held_blocks(self, r: SimRequest) -> int:
+        if r.state == DECODE:
+            # KV holds prompt + generated - 1 tokens (the newest token has no KV yet).
+            return -(-(r.prompt + r.gen_base + self.D - r.dec_base - 1) // self.bs)
+        return r.blocks
+
+    def _preempt(self, victim: SimRequest) -> None:
+        freed = self._held_blocks(victim)
+        if victim.state == DECODE:
+            self._stop_decode(victim)
+        else:
+            self.n_prefill -= 1
+        self.free_blocks += freed
+        victim.blocks = 0
+        victim.state = WAITING
+        victim.computed = 0
+        victim.target = victim.prompt + victim.generated
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+
+    # ------------------------------------------------------------------ API
+    def enqueue(self, r: SimRequest, now: float) -> None:
+        """A request arrives from the router at ``now``; it is scheduled at the next step."""
+        r.instance = self.index
+        r.state = WAITING
+        r.computed = 0
+        r.target = r.prompt
+        self.waiting.append(r)
+        if not self.busy:
+            return  # the owner calls start() once its decision round at ``now`` is over
+        if self.seg_K > 1:
+            # Cut a long decode segment at the end of the iteration in flight.
+            j = self._iters_done(now) + 1
+            if j < self.seg_K:
+                self.seg_K = j
+                self.seg_end = self.seg_t0 + self._elapsed(j)
+                self.version += 1
+                self._schedule_event(self.seg_end, self)
+
+    def start(self, now: float) -> None:
+        """Begin a step at ``now`` if the instance is idle (after a round of dispatches)."""
+        if not self.busy:
+            self._schedule(now)
+
+    def step_end(self, now: float) -> None:
+        """The pending iteration or segment has finished at ``now``; apply it and go on."""
+        K = self.seg_K
+        self.busy = False
+        self.iterations += K
+        self.busy_time += now - self.seg_t0
+        if self.seg_decode_only:
+            self.free_blocks -= self._allocs(K)
+            self.D += K
+            self.ctx_sum += self.n_dec * K
+        else:
+            if self.step_dec:
+                # Blocks for this step's decodes were allocated at schedule time.
+                self.D += 1
+                self.ctx_sum += self.n_dec
+            for r, n in self.step_chunks:
+                r.computed += n
+                self.prefill_tokens_done += n
+                if r.computed >= r.target:
+                    self.n_prefill -= 1
+                    r.generated += 1
+                    if r.first_token_s < 0.0:
+                        r.first_token_s = now
+                        self._on_first_token(r, now)
+                    if r.generated >= r.output:
+                        self._finish(r, now, r.blocks)
+                    else:
+                        self._start_decode(r)
+            self.step_chunks = []
+        heap = self.fin_heap
+        D = self.D
+        while heap and heap[0][0] <= D:
+            _, _, epoch, r = heapq.heappop(heap)
+            if epoch != r.epoch or r.state != DECODE:
+                continue
+            blocks = self._held_blocks(r)
+            self._stop_decode(r)
+            self._finish(r, now, blocks)
+        self._schedule(now)
+
+    def _finish(self, r: SimRequest, now: float, blocks: int) -> None:
+        r.state = DONE
+        r.finish_s = now
+        r.generated = r.output
+        self.free_blocks += blocks
+        r.blocks = 0
+        self.running.remove(r)
+        self._on_finish(r, now)
+
+    # ------------------------------------------------------------------ scheduling
+    def _schedule(self, now: float) -> None:
+        running = self.running
+        if not running and not self.waiting:
+            return
+        bs = self.bs
+        budget = self.budget
+        preempted = False
+        chunks: list[tuple[SimRequest, int]] = []
+        need_dec = self.phase[(self.D + 1) % bs] if self.n_dec else 0
+
+        fast = need_dec <= self.free_blocks
+        if fast:
+            self.free_blocks -= need_dec
+            budget -= self.n_dec
+            if self.n_prefill:
+                # Only the last-admitted request can be mid-prefill (its chunk used the
+                # whole remaining budget, so nothing was admitted after it).
+                i = 0
+                while i < len(running):
+                    r = running[i]
+                    i += 1
+                    if r.state != PREFILL:
+                        continue
+                    n = r.target - r.computed
+                    if n > budget:
+                        n = budget
+                    if n <= 0:
+                        continue
+                    need = -(-(r.computed + n) // bs) - r.blocks
+                    while need > self.free_blocks:
+                        victim = running.pop()
+                        self._preempt(victim)
+                        preempted = True
+                        if victim is r:
+                            break
+                    if r.state != PREFILL:
+                        break
+                    self.free_blocks -= need
+                    r.blocks += need
+                    budget -= n
+                    chunks.append((r, n))
+        else:
+            budget, preempted = self._schedule_running_slow(chunks, budget)
+
+        if not preempted:
+            waiting = self.waiting
+            while waiting and budget > 0 and len(running) < self.max_seqs:
+                r = waiting[0]
+                n = r.target
+                if n > budget:
+                    if not self.chunked:
+                        break
+                    n = budget
+                need_gate = -(-(r.target if self.full_gate else n) // bs)
+                if need_gate > self.free_blocks:
+                    break
+                waiting.popleft()
+                need = -(-n // bs)
+                self.free_blocks -= need
+                r.blocks = need
+                r.computed = 0
+                r.state = PREFILL
+                self.n_prefill += 1
+                if r.scheduled_s < 0.0:
+                    r.scheduled_s = now
+                running.append(r)
+                budget -= n
+                chunks.append((r, n))
+
+        n_dec = self.n_dec
+        if not chunks:
+            if fast and n_dec and not preempted:
+                # Pure decode: fast-forward until a finish, a block shortfall or an arrival.
+                # need_dec <= free_blocks here, so the first shortfall is >= 2 iterations away.
+                self.free_blocks += need_dec  # _allocs() accounts for the whole segment
+                K = self.fin_heap[0][0] - self.D if self.fin_heap else 1
+                K = min(K, self._first_shortfall() - 1)
+                t1 = self.a + self.k_seq * n_dec + self.k_ctx * self.ctx_sum
+                self._begin(now, max(K, 1), t1, self.k_ctx * n_dec, True, False)
+                return
+            if n_dec == 0:
+                if self.waiting and preempted:
+                    # Everything was preempted: the engine immediately schedules again
+                    # (admission was skipped only for the step that preempted).
+                    self._schedule(now)
+                return
+        pf_tokens = 0
+        attn = 0
+        for r, n in chunks:
+            pf_tokens += n
+            attn += n * (r.computed + n)
+        t = (
+            self.a
+            + self.k_pf * pf_tokens
+            + self.k_attn * attn
+            + self.k_seq * n_dec
+            + self.k_ctx * self.ctx_sum
+        )
+        self.step_chunks = chunks
+        self._begin(now, 1, t, 0.0, False, n_dec > 0)
+
+    def _schedule_running_slow(
+        self, chunks: list[tuple[SimRequest, int]], budget: int
+    ) -> tuple[int, bool]:
+        """Walk RUNNING one by one, preempting from the tail when blocks run out."""
+        running = self.running
+        bs = self.bs
+        k_next = (self.D + 1) % bs
+        preempted = False
+        i = 0
+        while i < len(running):
+            r = running[i]
+            i += 1
+            if r.state == DECODE:
+                n = 1
+                need = 1 if r.phase == k_next else 0
+            else:
+                n = min(r.target - r.computed, budget)
+                if n <= 0:
+                    continue
+                need = -(-(r.computed + n) // bs) - r.blocks
+            while need > self.free_blocks:
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is r:
+                    break
+            if r.state == WAITING:
+                break  # it preempted itself: stop scheduling running requests
+            self.free_blocks -= need
+            budget -= n
+            if r.state != DECODE:
+                r.blocks += need
+                chunks.append((r, n))
+        return budget, preempted
+
+    def _begin(self, now: float, K: int, t1: float, slope: float, decode_only: bool, step_dec: bool) -> None:
+        self.busy = True
+        self.seg_t0 = now
+        self.seg_t1 = t1
+        self.seg_slope = slope
+        self.seg_K = K
+        self.seg_decode_only = decode_only
+        self.step_dec = step_dec
+        self.seg_end = now + self._elapsed(K)
+        self.version += 1
+        self._schedule_event(self.seg_end, self)
+
+    # ------------------------------------------------------------------ observation
+    def decode_iters_at(self, t: float) -> int:
+        """Decode-iteration counter ``D`` as of time ``t`` (inside the current segment)."""
+        if self.busy and self.seg_decode_only:
+            return self.D + self._iters_done(t)
+        return self.D
+
+    def used_blocks_at(self, t: float) -> int:
+        """KV blocks in use at time ``t``."""
+        used = self.total_blocks - self.free_blocks
+        if self.busy and self.seg_decode_only:
+            used += self._allocs(self._iters_done(t))
+        return used
+
+    def generated_at(self, r: SimRequest, D: int) -> int:
+        """Tokens ``r`` has generated when the instance's decode counter is ``D``."""
+        if r.state == DECODE:
+            return r.gen_base + D - r.dec_base
+        return r.generated

@@ -1,0 +1,61 @@
+"""Mutable per-request simulation state (one object per request, slots for speed)."""
+
+from __future__ import annotations
+
+WAITING = 0
+PREFILL = 1
+DECODE = 2
+DONE = 3
+
+
+class SimRequest:
+    """A request inside the simulator: identity, prediction and lifecycle timestamps.
+
+    Times are seconds of simulated time; token counts are tokens. While the request
+    decodes, ``generated`` is *not* updated every iteration: the instance derives it as
+    ``gen_base + D - dec_base`` from its decode-iteration counter ``D`` (that is what
+    keeps the simulation's cost proportional to events, not tokens).
+    """
+
+    __slots__ = (
+        "id", "arrival_s", "prompt", "output", "bucket", "pred_tokens", "task",
+        "features",
+        "dispatch_s", "scheduled_s", "first_token_s", "finish_s", "preemptions", "instance",
+        "state", "generated", "computed", "target", "blocks", "dec_base", "gen_base",
+        "finish_D", "epoch", "phase",
+    )
+
+    def __init__(
+        self,
+        id: int,
+        arrival_s: float,
+        prompt: int,
+        output: int,
+        bucket: int | None,
+        pred_tokens: float,
+        task: str | None = None,
+    ) -> None:
+        self.id = id
+        self.arrival_s = arrival_s
+        self.prompt = prompt
+        self.output = output
+        self.bucket = bucket
+        self.pred_tokens = pred_tokens
+        self.task = task
+        self.features = None
+        self.dispatch_s = -1.0
+        self.scheduled_s = -1.0
+        self.first_token_s = -1.0
+        self.finish_s = -1.0
+        self.preemptions = 0
+        self.instance = -1
+        self.state = WAITING
+        self.generated = 0
+        self.computed = 0
+        self.target = prompt  # tokens to compute before the next output token
+        self.blocks = 0
+        self.dec_base = 0
+        self.gen_base = 0
+        self.finish_D = 0
+        self.epoch = 0
+        self.phase = 0

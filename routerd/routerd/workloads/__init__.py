@@ -1,0 +1,63 @@
+"""Workloads: request traces, workload generators and a name registry.
+
+Public API:
+
+- :class:`WorkloadError` - every bad-input error (one line: file, row, field).
+- :func:`load_azure_csv`, :func:`load_mooncake_jsonl` - trace loaders.
+- :func:`mean_rate`, :func:`rescale_to_rate`, :func:`poisson_arrivals` - arrival timing.
+- :func:`public_mix` (real public prompt/response lengths), :func:`paper_mix`
+  (synthetic stand-in for arXiv 2408.13510's mix).
+- :func:`load_workload`, :class:`Workload`, :data:`WORKLOAD_NAMES`,
+  :func:`resolve_data_dir` - workloads by name.
+"""
+
+from .errors import WorkloadError
+from .paper_mix import PAPER_LONG_SHARE, PAPER_TASKS, PaperTask, expected_stats, paper_mix
+from .public_mix import DEFAULT_ALPACA_MODEL, PromptGroup, public_mix, public_mix_groups
+from .registry import (
+    DATA_DIR_ENV,
+    DEFAULT_N,
+    DEFAULT_RATE,
+    DEFAULT_WORKLOAD,
+    WORKLOAD_NAMES,
+    Workload,
+    load_workload,
+    resolve_data_dir,
+)
+from .traces import (
+    AZURE_COLUMNS,
+    MOONCAKE_FIELDS,
+    load_azure_csv,
+    load_mooncake_jsonl,
+    mean_rate,
+    poisson_arrivals,
+    rescale_to_rate,
+)
+
+__all__ = [
+    "AZURE_COLUMNS",
+    "DATA_DIR_ENV",
+    "DEFAULT_ALPACA_MODEL",
+    "DEFAULT_N",
+    "DEFAULT_RATE",
+    "DEFAULT_WORKLOAD",
+    "MOONCAKE_FIELDS",
+    "PAPER_LONG_SHARE",
+    "PAPER_TASKS",
+    "PaperTask",
+    "PromptGroup",
+    "WORKLOAD_NAMES",
+    "Workload",
+    "WorkloadError",
+    "expected_stats",
+    "load_azure_csv",
+    "load_mooncake_jsonl",
+    "load_workload",
+    "mean_rate",
+    "paper_mix",
+    "poisson_arrivals",
+    "public_mix",
+    "public_mix_groups",
+    "rescale_to_rate",
+    "resolve_data_dir",
+]
