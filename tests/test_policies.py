@@ -275,21 +275,23 @@ def test_oracle_policies_refuse_plain_features():
 # --- oracle -----------------------------------------------------------------------------
 
 
-def test_oracle_least_true_drain_time():
-    # New request p=100, true output 11 -> 10 decode iterations, context sum 10*100 + 45 = 1045.
-    # 0: running p=1000 g=10 out=110 -> n=100, c=1010: ctx 100*1010 + 4950 = 105950
-    #    prefill 1e-4*100 = 0.01, 1 prefill iteration; n_max 100; n_sum 110
-    #    work = 0.01 + 0.01*(1+100) + 1e-3*110 + 1e-6*(1045+105950) = 1.236995 s
-    # 1: two waiting p=1500 out=5 -> f 1500 each, n = 5-1 = 4, c=1500
-    #    prefill 1e-4*3100 = 0.31, ceil(3100/2048) = 2 iterations; n_max 10; n_sum 18
-    #    work = 0.31 + 0.01*(2+10) + 1e-3*18 + 1e-6*(1045 + 2*(6000+6)) = 0.461057 s -> 1
-    # (JSQ with exact predictions: 0 -> 100 tokens, 1 -> 3010 tokens -> 0.)
+def test_oracle_is_jsq_with_true_lengths():
+    # Predictions say instance 0 is nearly done (pred 110, generated 10 -> 100 tokens) and
+    # instance 1 is long (pred 1000 -> 1000 tokens): JSQ picks 0.
+    # Truth: 0 still has 2000 - 10 = 1990 decode tokens; 1 has 300 -> the oracle picks 1.
     v = view(
-        inst(0, res(1000, 10, pred=110, out=110)),
-        inst(1, *[res(1500, 0, pred=5, out=5, state="waiting")] * 2),
+        inst(0, res(100, 10, pred=110, out=2000)),
+        inst(1, res(100, 0, pred=1000, out=300)),
     )
-    assert make("oracle").pick(req(100, 11, out=11), v) == 1
     assert make("join_shortest_queue").pick(req(100, 11), v) == 0
+    assert make("oracle").pick(req(100, 11, out=11), v) == 1
+    # A waiting (preempted) request counts its recompute: 1 -> (100 + 50) + (300 - 50) = 400
+    # vs 0 -> 390 (decoding, out 400, generated 10).
+    v = view(
+        inst(0, res(100, 10, pred=0, out=400)),
+        inst(1, res(100, 50, pred=0, out=300, state="waiting")),
+    )
+    assert make("oracle").pick(req(1, 1, out=1), v) == 0
 
 
 # --- queue_kv_scorer ---------------------------------------------------------------------
@@ -391,7 +393,10 @@ def test_mixing_penalty_calibrated_kv_wait():
 def test_late_binding_holds_when_full():
     # each: footprint 1000+500 = 1500 tokens = 94 blocks committed -> headroom 1 < 13
     full = res(1000, 100, 500)
-    assert make("late_binding").pick(req(100, 100), view(inst(0, full, total=100), inst(1, full, total=100))) is None
+    v = view(inst(0, full, total=100), inst(1, full, total=100))
+    assert make("late_binding", account_growth=True).pick(req(100, 100), v) is None
+    # without growth: used = blocks(1100) = 69 each -> headroom 26 >= 13 -> instance 0
+    assert make("late_binding").pick(req(100, 100), v) == 0
 
 
 def test_late_binding_picks_least_work_among_fitting():
@@ -405,8 +410,8 @@ def test_late_binding_picks_least_work_among_fitting():
 @pytest.mark.parametrize(
     "params,expected",
     [
-        ({}, None),
-        # without growth: used = blocks(1100) = 69 -> headroom 95-69 = 26 >= 13
+        ({"account_growth": True}, None),
+        # without growth (the default): used = blocks(1100) = 69 -> headroom 95-69 = 26 >= 13
         ({"account_growth": False}, 0),
     ],
 )
@@ -419,7 +424,8 @@ def test_late_binding_growth(params, expected):
 def test_late_binding_reserve(reserve, expected):
     # footprint 1000+360 = 1360 = 85 blocks: headroom 95-85 = 10 < 13, or 100-85 = 15 >= 13
     v = view(inst(0, res(1000, 0, 360), total=100))
-    assert make("late_binding", m=1, reserve_fraction=reserve).pick(req(100, 100), v) == expected
+    p = make("late_binding", m=1, reserve_fraction=reserve, account_growth=True)
+    assert p.pick(req(100, 100), v) == expected
 
 
 @pytest.mark.parametrize("max_waiting,expected", [(0, None), (1, 0)])

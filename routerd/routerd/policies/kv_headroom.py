@@ -82,9 +82,12 @@ class Params(PolicyParams):
     lengths longer than predicted (0..1)."""
     max_waiting: int = Field(default=0, ge=0)
     """Most requests an instance may have waiting for it to take one more (requests)."""
-    account_growth: bool = True
+    account_growth: bool = False
     """Count the residents' predicted future KV growth as committed (True), or only
-    the blocks in use plus the waiting requests' prompts (False)."""
+    the blocks in use plus the waiting requests' prompts (False, the default).
+    True assumes every resident reaches its predicted end at once, which over-reserves:
+    on public-mix (seed 0, V100 profile, 2x load) it held requests for 95 s on average
+    and lost 68% mean E2E to round robin, while False gained 10%."""
 
 
 class LateBinding(RoutingPolicy):

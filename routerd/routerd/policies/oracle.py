@@ -1,33 +1,17 @@
-"""``oracle`` (ORACLE): least remaining true work, in seconds of the profile's latency model.
+"""``oracle`` (ORACLE): join the shortest queue measured with *true* output lengths.
 
-Not a published router: an upper-bound reference that knows every true output
-length (the simulator hands it ``Oracle*`` objects). For each instance it
-estimates how long the instance would need to finish everything it holds *plus*
-the new request if nothing else arrived, and picks the smallest (lowest index on
-ties); it never holds.
+Not a published router: an upper-bound reference for the token-load family
+(``join_shortest_queue``, ``least_outstanding_tokens``, ``min_min``). It is
+``join_shortest_queue`` (paper A.2: fewest prompt + decode tokens still to process)
+with a perfect length predictor: per resident, the remaining prefill tokens
+(``prompt + generated`` while it still needs a (re)compute) plus its true remaining
+decode tokens; the new request adds its prompt plus its true output on every
+instance, so it does not change the choice. Lowest index on ties; it never holds.
 
-For every request ``x`` (the residents and the new one), with true output ``o_x``
-and ``g_x`` tokens generated so far:
-
-* ``f_x`` remaining prefill tokens: ``prompt + g_x`` if it still needs a prefill
-  (in_prefill or waiting; preempted requests recompute), else 0; the new request
-  has ``f = prompt``;
-* ``c_x`` context at the start of its remaining decode: ``prompt + g_x``;
-* ``n_x`` decode iterations left: ``max(0, o_x - g_x)``, less one when it still
-  needs a prefill (the prefill emits a token).
-
-Then, with the profile's terms (see :mod:`routerd.profiles`)::
-
-    prefill_s = sum_x (prefill_per_token_s * f_x + prefill_attn_s * f_x**2)
-                + overhead_s * ceil(sum_x f_x / max_num_batched_tokens)
-    decode_s  = overhead_s * max_x n_x
-                + decode_per_seq_s * sum_x n_x
-                + decode_per_ctx_token_s * sum_x (n_x * c_x + n_x * (n_x - 1) / 2)
-    work_s    = prefill_s + decode_s
-
-i.e. prefills run back to back, then all decodes run as one batch that shrinks as
-requests finish. Ignored: prefill/decode overlap under chunked prefill,
-``max_num_seqs`` and the KV limit (no preemption).
+An earlier version estimated each instance's drain time with the latency model;
+on the policy table (benchmarks/policy_table.py) it sent requests to whichever
+instance's *longest* request ended first and lost to round robin, so it was no
+useful bound.
 """
 
 from __future__ import annotations
@@ -40,50 +24,27 @@ class Params(PolicyParams):
 
 
 class Oracle(RoutingPolicy):
-    """Least true drain time (s) including the new request; oracle."""
+    """Least true outstanding tokens (prefill + decode); oracle."""
 
     name = "oracle"
     Params = Params
     oracle = True
 
     def pick(self, request: RequestFeatures, view: ClusterView) -> int | None:
-        prof = self.ctx.profile
-        try:
-            new_out = request.output_tokens  # type: ignore[attr-defined]
-        except AttributeError:
-            raise TypeError("oracle is an oracle policy: it needs OracleRequestFeatures") from None
-        p_i = request.prompt_tokens
-        n_i = max(0, new_out - 1)
+        if not hasattr(request, "output_tokens"):
+            raise TypeError("oracle is an oracle policy: it needs OracleRequestFeatures")
         best = None
-        best_s = 0.0
+        best_w = 0
         for inst in view.instances:
-            f_sum = p_i
-            f_cost = prof.prefill_per_token_s * p_i + prof.prefill_attn_s * p_i * p_i
-            n_max = n_i
-            n_sum = n_i
-            ctx_sum = n_i * p_i + n_i * (n_i - 1) / 2
+            w = 0
             for r in inst.residents():
                 try:
-                    n = r.output_tokens - r.generated_tokens  # type: ignore[attr-defined]
+                    out = r.output_tokens  # type: ignore[attr-defined]
                 except AttributeError:
                     raise TypeError("oracle is an oracle policy: it needs OracleResident residents") from None
-                c = r.prompt_tokens + r.generated_tokens
                 if r.in_prefill or r.waiting:
-                    f_sum += c
-                    f_cost += prof.prefill_per_token_s * c + prof.prefill_attn_s * c * c
-                    n -= 1
-                if n > 0:
-                    n_sum += n
-                    ctx_sum += n * c + n * (n - 1) / 2
-                    if n > n_max:
-                        n_max = n
-            prefill_iters = -(-f_sum // prof.max_num_batched_tokens)
-            work_s = (
-                f_cost
-                + prof.overhead_s * (prefill_iters + n_max)
-                + prof.decode_per_seq_s * n_sum
-                + prof.decode_per_ctx_token_s * ctx_sum
-            )
-            if best is None or work_s < best_s:
-                best, best_s = inst.index, work_s
+                    w += r.prompt_tokens + r.generated_tokens
+                w += max(0, out - r.generated_tokens)
+            if best is None or w < best_w:
+                best, best_w = inst.index, w
         return best

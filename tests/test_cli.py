@@ -1,0 +1,103 @@
+"""``phasewise bench`` end to end: outputs, and one-line errors with exit code 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from routerd.cli import main
+
+
+def test_bench_writes_table_json_and_plot(tmp_path, capsys):
+    rc = main(["bench", "--limit", "120", "--policies", "round_robin,join_shortest_queue", "-o", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "round_robin" in out and "join_shortest_queue" in out
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["workload"] == "sample"
+    assert data["requests"] + data["rejected"] == 120
+    assert [r["policy"] for r in data["results"]] == ["round_robin", "join_shortest_queue"]
+    rr = data["results"][0]
+    assert rr["e2e_mean_change_pct"] == 0.0
+    assert rr["requests"] == data["requests"]
+    assert rr["e2e_p50"] <= rr["e2e_p90"] <= rr["e2e_p99"]
+    png = (tmp_path / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_is_reproducible(tmp_path):
+    args = ["bench", "--limit", "80", "--policies", "random;power_of_two_choices", "--no-plot", "--seed", "3"]
+    assert main(args + ["-o", str(tmp_path / "a")]) == 0
+    assert main(args + ["-o", str(tmp_path / "b")]) == 0
+    strip = lambda d: [{k: v for k, v in r.items() if k != "wall_s"} for r in d["results"]]
+    a = json.loads((tmp_path / "a" / "bench.json").read_text())
+    b = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert strip(a) == strip(b)
+
+
+def test_study8_reports_optimum_random_worst(tmp_path, capsys):
+    assert main(["bench", "--study8", "--policies", "round_robin", "-o", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "study8.json").read_text())
+    assert d["optimum_sum_e2e_s"] <= d["random_mean_sum_e2e_s"] <= d["worst_sum_e2e_s"]
+    assert d["optimum_sum_e2e_s"] <= d["policies_sum_e2e_s"]["round_robin"] <= d["worst_sum_e2e_s"]
+    assert len(d["requests"]) == 8
+    assert all(10 <= r["prompt_tokens"] <= 100 and 10 <= r["output_tokens"] <= 100 for r in d["requests"])
+
+
+def _bad_csv(tmp_path: Path, body: str) -> str:
+    p = tmp_path / "trace.csv"
+    p.write_text(body)
+    return str(p)
+
+
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["--policies", "no_such_policy"], ["no_such_policy", "round_robin"]),
+        (["--policies", "power_of_two_choices:bogus=1"], ["power_of_two_choices", "bogus"]),
+        (["--profile", "h100-imaginary"], ["h100-imaginary", "llama2-7b-v100"]),
+        (["--workload", "nope"], ["nope", "azure-conv"]),
+        (["--prediction", "psychic"], ["psychic", "noisy"]),
+        (["--instances", "0"], ["--instances"]),
+    ],
+)
+def test_bad_names_exit_2_with_one_line(tmp_path, capsys, args, expect):
+    rc = main(["bench", "--limit", "10", "--no-plot", "-o", str(tmp_path)] + args)
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("phasewise: error:")
+    for word in expect:
+        assert word in err
+
+
+@pytest.mark.parametrize(
+    "body, expect",
+    [
+        ("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.6805900,10\n", ["GeneratedTokens"]),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,ten,5\n", ["row 2", "ContextTokens"]),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,10,-5\n", ["row 2", "GeneratedTokens"]),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:47.0000000,10,5\n"
+         "2023-11-16 18:15:46.0000000,10,5\n", ["row 3", "TIMESTAMP"]),
+    ],
+)
+def test_bad_trace_exit_2_naming_file_row_field(tmp_path, capsys, body, expect):
+    path = _bad_csv(tmp_path, body)
+    rc = main(["bench", "--workload", path, "--no-plot", "-o", str(tmp_path / "o")])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "trace.csv" in err
+    for word in expect:
+        assert word in err
+
+
+def test_console_entry_point_has_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "routerd", "bench", "--policies", "nope", "-o", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "nope" in proc.stderr
