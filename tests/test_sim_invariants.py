@@ -140,3 +140,42 @@ def test_held_requests_are_retried_every_action_interval():
     assert [round(t, 6) for t in times] == [0.005, 0.02, 0.04, 0.06, 0.08, 0.1]
     assert run.requests[0].dispatch_s == times[-1]
     assert run.holds == 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(workloads(), st.sampled_from(["round_robin", "late_binding", "join_shortest_queue"]))
+def test_incremental_load_summary_matches_residents(case, policy_name):
+    """The simulator's O(1) aggregates equal the ones recomputed from the residents."""
+    from routerd.policies.base import summarize_residents
+
+    prof, reqs = case
+    policy = build_policy(policy_name, None, PolicyContext(prof, 2))
+    prep = prepare_requests(reqs, prof)
+    for r in prep.requests:
+        r.inv_T = 1.0 / (1 + r.prompt)
+        r.w = r.inv_T / max(r.pred_tokens, 1.0)
+    sim = ClusterSimulator(prof, 2, policy)
+    gen = sim.steps(prep.requests)
+    try:
+        r = next(gen)
+        while True:
+            view = sim.view(sim.now)
+            for v in view.instances:
+                res = v.residents()
+                fast, slow = v.load_summary(), summarize_residents(res)
+                assert fast.in_prefill == slow.in_prefill
+                assert fast.decode_bins == slow.decode_bins
+                assert fast.residents == slow.residents
+                assert abs(fast.sum_prompt_and_predicted - slow.sum_prompt_and_predicted) < 1e-6
+                if slow.min_predicted_remaining is None:
+                    assert fast.min_predicted_remaining is None
+                else:
+                    assert abs(fast.min_predicted_remaining - slow.min_predicted_remaining) < 1e-9
+                inst = sim.instances[v.index]
+                D = inst.decode_iters_at(sim.now)
+                expect = sum(pr.inv_T * (1 - q.generated_tokens / pr.pred_tokens)
+                             for q, pr in zip(res, [*inst.running, *inst.waiting]))
+                assert abs(inst.unfinished_penalty(D) - expect) < 1e-6
+            r = gen.send(policy.pick(r.features, view))
+    except StopIteration:
+        pass

@@ -69,6 +69,52 @@ class OracleResident(ResidentRequest):
     output_tokens: int = 0
 
 
+#: Edges (tokens) of the predicted-output bins in :class:`LoadSummary` and the DQN
+#: observation: 0-256, 256-2048, >= 2048 (arXiv 2408.13510 A.9).
+LOAD_BINS: tuple[int, int] = (256, 2048)
+
+
+def load_bin(predicted_output_tokens: float) -> int:
+    """Bin index (0, 1, 2) of a predicted output length in :data:`LOAD_BINS`."""
+    if predicted_output_tokens < LOAD_BINS[0]:
+        return 0
+    return 1 if predicted_output_tokens < LOAD_BINS[1] else 2
+
+
+@dataclass(slots=True, frozen=True)
+class LoadSummary:
+    """Aggregates of one instance's residents, cheap to read at every decision."""
+
+    in_prefill: int
+    """Requests waiting or still prefilling (count)."""
+    decode_bins: tuple[int, int, int]
+    """Decoding requests by predicted output length bin (:data:`LOAD_BINS`)."""
+    min_predicted_remaining: float | None
+    """Smallest predicted remaining decode among decoding requests (tokens), None if none."""
+    residents: int
+    """Running + waiting requests."""
+    sum_prompt_and_predicted: float
+    """Sum over residents of prompt + predicted output tokens (the estimator's load)."""
+
+
+def summarize_residents(residents: Sequence[ResidentRequest]) -> LoadSummary:
+    """:class:`LoadSummary` computed from a resident list (O(residents))."""
+    in_prefill = 0
+    bins = [0, 0, 0]
+    min_rem: float | None = None
+    total = 0.0
+    for r in residents:
+        total += r.prompt_tokens + r.predicted_output_tokens
+        if r.in_prefill:
+            in_prefill += 1
+            continue
+        bins[load_bin(r.predicted_output_tokens)] += 1
+        rem = r.predicted_output_tokens - r.generated_tokens
+        if min_rem is None or rem < min_rem:
+            min_rem = rem
+    return LoadSummary(in_prefill, (bins[0], bins[1], bins[2]), min_rem, len(residents), total)
+
+
 class InstanceView(Protocol):
     """State of one serving instance at the decision time (read-only)."""
 
@@ -86,6 +132,10 @@ class InstanceView(Protocol):
 
     def residents(self) -> Sequence[ResidentRequest]:
         """Requests on the instance: running first (admission order), then waiting."""
+        ...
+
+    def load_summary(self) -> LoadSummary:
+        """Aggregates of the residents (equal to ``summarize_residents(self.residents())``)."""
         ...
 
 

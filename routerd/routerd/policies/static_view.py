@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from routerd.policies.base import ResidentRequest
+from routerd.policies.base import LoadSummary, ResidentRequest, summarize_residents
 
 
 @dataclass(slots=True)
@@ -51,6 +51,10 @@ class StaticInstanceView:
     def residents(self) -> Sequence[ResidentRequest]:
         """The resident requests, running first then waiting."""
         return self.requests
+
+    def load_summary(self) -> LoadSummary:
+        """Aggregates of ``requests`` (O(residents))."""
+        return summarize_residents(self.requests)
 
     @classmethod
     def from_residents(

@@ -15,10 +15,11 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 from routerd.policies.base import (
     ClusterView,
+    LoadSummary,
     OracleRequestFeatures,
     OracleResident,
     RequestFeatures,
@@ -55,6 +56,14 @@ class SimInstanceView:
     def kv_usage(self) -> float:
         """Used / total KV blocks (0..1)."""
         return self.kv_used_blocks / self.kv_total_blocks
+
+    def load_summary(self) -> LoadSummary:
+        """Aggregates kept incrementally by the instance: O(1) apart from stale heap entries."""
+        inst = self._inst
+        h = inst.dec_hist
+        return LoadSummary(len(inst.waiting) + inst.n_prefill, (h[0], h[1], h[2]),
+                           inst.min_predicted_remaining(inst.decode_iters_at(self._now)),
+                           inst.n_res, inst.sum_pd)
 
     def residents(self) -> list[ResidentRequest]:
         """Running requests (admission order) then waiting ones, as the router sees them."""
@@ -156,6 +165,8 @@ class ClusterSimulator:
         self.decisions = 0
         self.holds = 0
         self.finished = 0
+        self.arrived = 0
+        self.now = 0.0
         self.on_finish: Callable[[SimRequest, float], None] | None = None
 
     # -- event plumbing -------------------------------------------------------
@@ -190,16 +201,15 @@ class ClusterSimulator:
             self._idle_dispatched.append(inst)
         inst.enqueue(r, now)
 
-    def decide(self, now: float) -> None:
-        """Offer queued requests to the policy until it holds or the queue is empty."""
+    def _decide(self, now: float) -> Generator[SimRequest, int | None, None]:
+        """Offer queued requests (yielded) until the answer is ``None`` (hold) or the queue empties."""
         q = self.queue
-        pick = self.policy.pick
         n = len(self.instances)
         self._completed_since_decide = False
         while q:
             r = q[0]
             self.decisions += 1
-            choice = pick(r.features, self.view(now))
+            choice = yield r
             if choice is None:
                 self.holds += 1
                 break
@@ -221,10 +231,16 @@ class ClusterSimulator:
             self._push(k * self.action_interval_s, None)
 
     # -- run ------------------------------------------------------------------
-    def run(self, requests: Sequence[SimRequest], progress: Callable[[int], None] | None = None) -> ClusterRun:
-        """Simulate until every request has finished; ``requests`` must be sorted by arrival.
+    def steps(
+        self, requests: Sequence[SimRequest], progress: Callable[[int], None] | None = None
+    ) -> Generator[SimRequest, int | None, ClusterRun]:
+        """Simulate as a generator that yields each router decision.
 
-        ``progress`` (optional) is called with the number of newly finished requests.
+        Each yielded request is the router-queue head at ``self.now``; send back an
+        instance index or ``None`` (hold). Returns (``StopIteration.value``) the
+        :class:`ClusterRun` once every request has finished. ``requests`` must be sorted
+        by arrival. This is what the RL environment steps through; :meth:`run` drives it
+        with the policy.
         """
         for r in requests:
             if r.features is None:
@@ -239,29 +255,47 @@ class ClusterSimulator:
         while ai < na or heap:
             if heap and (ai >= na or heap[0][0] < arrivals[ai].arrival_s):
                 now, _, ev = pop(heap)
+                self.now = now
                 if ev is None:
                     self._tick_pending = False
-                    self.decide(now)
+                    if self.queue:
+                        yield from self._decide(now)
                     continue
                 inst, version = ev  # type: ignore[misc]
                 if version != inst.version:
                     continue
                 inst.step_end(now)
                 if self._completed_since_decide and self.queue:
-                    self.decide(now)
+                    yield from self._decide(now)
                 if progress is not None and self.finished - reported >= 256:
                     progress(self.finished - reported)
                     reported = self.finished
             else:
                 now = arrivals[ai].arrival_s
+                self.now = now
                 # Simultaneous arrivals reach the router together.
                 while ai < na and arrivals[ai].arrival_s == now:
                     self.queue.append(arrivals[ai])
+                    self.arrived += 1
                     ai += 1
-                self.decide(now)
+                yield from self._decide(now)
         if progress is not None and self.finished > reported:
             progress(self.finished - reported)
         return ClusterRun(list(requests), self.instances, now, self.decisions, self.holds)
+
+    def run(self, requests: Sequence[SimRequest], progress: Callable[[int], None] | None = None) -> ClusterRun:
+        """Simulate until every request has finished; ``requests`` must be sorted by arrival.
+
+        ``progress`` (optional) is called with the number of newly finished requests.
+        """
+        gen = self.steps(requests, progress)
+        pick = self.policy.pick
+        try:
+            r = next(gen)
+            while True:
+                r = gen.send(pick(r.features, self.view(self.now)))
+        except StopIteration as stop:
+            return stop.value
 
 
 def make_features(r: SimRequest, oracle: bool) -> RequestFeatures:

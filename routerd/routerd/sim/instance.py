@@ -99,6 +99,17 @@ class SimInstance:
         self.step_chunks: list[tuple[SimRequest, int]] = []
         self.step_dec = False
 
+        # Load aggregates, kept incrementally so a router decision costs O(instances)
+        # (see routerd.policies.base.LoadSummary) and the RL reward O(1) per step.
+        self.n_res = 0  # resident requests (running + waiting)
+        self.sum_pd = 0.0  # sum over residents of prompt + predicted output tokens
+        self.dec_hist = [0, 0, 0]  # decoding requests by predicted-output bin
+        self.pred_heap: list[tuple[float, int, int, SimRequest]] = []  # predicted end (in D units)
+        self.inv_T_sum = 0.0  # reward: sum of 1/T_j over residents
+        self.fT_static = 0.0  # reward: sum of generated_j * w_j over non-decoding residents
+        self.fT_A = 0.0  # reward: sum of w_j * (gen_base_j - dec_base_j) over decoding ones
+        self.fT_W = 0.0  # reward: sum of w_j over decoding ones
+
         # Counters for reports and views.
         self.preemptions = 0
         self.iterations = 0
@@ -172,6 +183,10 @@ class SimInstance:
         self.ctx_sum += r.prompt + r.generated
         r.finish_D = self.D + (r.output - r.generated)
         heapq.heappush(self.fin_heap, (r.finish_D, r.id, r.epoch, r))
+        self.dec_hist[r.hist_bin] += 1
+        heapq.heappush(self.pred_heap, (r.pred_tokens - r.generated + self.D, r.id, r.epoch, r))
+        self.fT_A += r.w * (r.generated - self.D)
+        self.fT_W += r.w
 
     def _stop_decode(self, r: SimRequest) -> None:
         """Remove a decoding request from the aggregates; returns nothing, updates ``generated``."""
@@ -180,7 +195,10 @@ class SimInstance:
         self.phase[r.phase] -= 1
         self.n_dec -= 1
         self.ctx_sum -= r.prompt + gen
-        r.epoch += 1  # invalidates its finish-heap entry
+        r.epoch += 1  # invalidates its finish-heap and pred-heap entries
+        self.dec_hist[r.hist_bin] -= 1
+        self.fT_A -= r.w * (r.gen_base - r.dec_base)
+        self.fT_W -= r.w
 
     def _held_blocks(self, r: SimRequest) -> int:
         if r.state == DECODE:
@@ -192,6 +210,7 @@ class SimInstance:
         freed = self._held_blocks(victim)
         if victim.state == DECODE:
             self._stop_decode(victim)
+            self.fT_static += victim.generated * victim.w
         else:
             self.n_prefill -= 1
         self.free_blocks += freed
@@ -211,6 +230,10 @@ class SimInstance:
         r.computed = 0
         r.target = r.prompt
         self.waiting.append(r)
+        self.n_res += 1
+        self.sum_pd += r.prompt + r.pred_tokens
+        self.inv_T_sum += r.inv_T
+        self.fT_static += r.generated * r.w
         if not self.busy:
             return  # the owner calls start() once its decision round at ``now`` is over
         if self.seg_K > 1:
@@ -247,6 +270,7 @@ class SimInstance:
                 self.prefill_tokens_done += n
                 if r.computed >= r.target:
                     self.n_prefill -= 1
+                    self.fT_static -= r.generated * r.w
                     r.generated += 1
                     if r.first_token_s < 0.0:
                         r.first_token_s = now
@@ -274,6 +298,9 @@ class SimInstance:
         self.free_blocks += blocks
         r.blocks = 0
         self.running.remove(r)
+        self.n_res -= 1
+        self.sum_pd -= r.prompt + r.pred_tokens
+        self.inv_T_sum -= r.inv_T
         self._on_finish(r, now)
 
     # ------------------------------------------------------------------ scheduling
@@ -438,6 +465,20 @@ class SimInstance:
         if self.busy and self.seg_decode_only:
             used += self._allocs(self._iters_done(t))
         return used
+
+    def min_predicted_remaining(self, D: int) -> float | None:
+        """Smallest predicted remaining decode (tokens) among decoding requests at counter ``D``."""
+        heap = self.pred_heap
+        while heap:
+            key, _, epoch, r = heap[0]
+            if epoch == r.epoch and r.state == DECODE:
+                return key - D
+            heapq.heappop(heap)
+        return None
+
+    def unfinished_penalty(self, D: int) -> float:
+        """Reward term: sum over residents of (1/T_j)(1 - f_j), f_j = generated / predicted output."""
+        return self.inv_T_sum - (self.fT_static + self.fT_A + self.fT_W * D)
 
     def generated_at(self, r: SimRequest, D: int) -> int:
         """Tokens ``r`` has generated when the instance's decode counter is ``D``."""

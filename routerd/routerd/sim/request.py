@@ -22,7 +22,7 @@ class SimRequest:
         "features",
         "dispatch_s", "scheduled_s", "first_token_s", "finish_s", "preemptions", "instance",
         "state", "generated", "computed", "target", "blocks", "dec_base", "gen_base",
-        "finish_D", "epoch", "phase",
+        "finish_D", "epoch", "phase", "hist_bin", "inv_T", "w",
     )
 
     def __init__(
@@ -59,3 +59,9 @@ class SimRequest:
         self.finish_D = 0
         self.epoch = 0
         self.phase = 0
+        #: Bin of the predicted output in the load summary (0: < 256, 1: < 2048, 2: more).
+        self.hist_bin = 0 if pred_tokens < 256 else (1 if pred_tokens < 2048 else 2)
+        #: RL reward weights (set by routerd.rl): 1 / estimated processing time (1/s) and
+        #: that divided by the predicted output length (1/(s*token)).
+        self.inv_T = 0.0
+        self.w = 0.0
