@@ -33,3 +33,33 @@ def toy_profile(**overrides) -> HardwareProfile:
 @pytest.fixture
 def toy():
     return toy_profile
+
+
+_CHECKPOINTS: dict[int, str] = {}
+
+
+def policy_params(name: str, num_instances: int) -> dict | None:
+    """Default parameters for building ``name`` in tests.
+
+    ``dqn`` needs a checkpoint for the right instance count; tests use a seeded random
+    network (its choices are arbitrary but valid and deterministic).
+    """
+    if name != "dqn":
+        return None
+    if num_instances not in _CHECKPOINTS:
+        import tempfile
+
+        import numpy as np
+
+        from routerd.policies.dqn.checkpoint import save_checkpoint
+        from routerd.policies.dqn.features import obs_dim
+
+        rng = np.random.default_rng(num_instances)
+        d, a, h = obs_dim(num_instances), num_instances + 1, 16
+        w = {"l1.weight": rng.normal(size=(h, d)), "l1.bias": rng.normal(size=h),
+             "l2.weight": rng.normal(size=(h, h)), "l2.bias": rng.normal(size=h),
+             "l3.weight": rng.normal(size=(a, h)), "l3.bias": rng.normal(size=a)}
+        path = tempfile.mkdtemp(prefix=f"pw-dqn-m{num_instances}-")
+        save_checkpoint(path, w, {"variant": "baseline", "num_instances": num_instances})
+        _CHECKPOINTS[num_instances] = path
+    return {"checkpoint": _CHECKPOINTS[num_instances]}

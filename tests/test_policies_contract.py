@@ -8,6 +8,8 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import policy_params
+
 from routerd.policies import (
     POLICIES,
     ClusterView,
@@ -108,7 +110,7 @@ def relabel_truth(state, seed):
 
 
 def make(name, m, seed=0):
-    return build_policy(name, None, PolicyContext(profile=PROFILE, num_instances=m, seed=seed))
+    return build_policy(name, policy_params(name, m), PolicyContext(profile=PROFILE, num_instances=m, seed=seed))
 
 
 def test_oracle_set_is_exactly_the_named_oracles():
@@ -166,9 +168,9 @@ def test_non_oracle_picks_ignore_true_lengths(state, seed):
 @settings(max_examples=50, deadline=None)
 @given(states())
 def test_never_holding_policies_always_pick(state):
-    # Only the admission-controlled policies may hold.
+    # Only the admission-controlled policies and the RL router may hold.
     request, view = strip(state)
     for name in PLAIN:
-        if name in ("max_capacity_usage", "late_binding"):
+        if name in ("max_capacity_usage", "late_binding", "dqn"):  # dqn may hold (no-action)
             continue
         assert make(name, len(view.instances)).pick(request, view) is not None, name

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import toy_profile
+from conftest import policy_params, toy_profile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +32,7 @@ def workloads(draw):
 
 
 def simulate(prof, reqs, policy_name, m, seed=0):
-    policy = build_policy(policy_name, None, PolicyContext(prof, m, seed=seed))
+    policy = build_policy(policy_name, policy_params(policy_name, m), PolicyContext(prof, m, seed=seed))
     prep = prepare_requests(reqs, prof)
     sim = ClusterSimulator(prof, m, policy)
     finished = []
@@ -179,3 +179,26 @@ def test_incremental_load_summary_matches_residents(case, policy_name):
             r = gen.send(policy.pick(r.features, view))
     except StopIteration:
         pass
+
+
+def test_a_policy_that_always_holds_cannot_stall_the_simulation():
+    prof = toy_profile()
+
+    class Never(RoutingPolicy):
+        name = "never"
+
+        def pick(self, request, view):
+            return None
+
+    reqs = [Request(id=i, arrival_s=float(i), prompt_tokens=5, output_tokens=2) for i in range(3)]
+    run = ClusterSimulator(prof, 2, Never(PolicyContext(prof, 2)), action_interval_s=0.02).run(
+        prepare_requests(reqs, prof).requests)
+    assert run.forced_dispatches == 3
+    # each waits the idle-hold limit (1 s, counted from when the cluster went idle, on the
+    # 0.02 s grid) before the fail-open dispatch
+    idle_from = 0.0
+    for r in run.requests:
+        start = max(r.arrival_s, idle_from)
+        assert 1.0 - 1e-9 <= r.dispatch_s - start <= 1.02 + 1e-9
+        idle_from = r.finish_s
+    assert [r.instance for r in run.requests] == [0, 1, 0]

@@ -29,6 +29,7 @@ class PolicyResult:
     decisions: int
     holds: int
     wall_s: float
+    forced_dispatches: int = 0
 
 
 @dataclass
@@ -57,7 +58,8 @@ class BenchResult:
         base = self.baseline()
         rows = []
         for r in self.results:
-            row = {"policy": r.spec, "decisions": r.decisions, "holds": r.holds, "wall_s": r.wall_s,
+            row = {"policy": r.spec, "decisions": r.decisions, "holds": r.holds,
+                   "forced_dispatches": r.forced_dispatches, "wall_s": r.wall_s,
                    **r.summary.as_dict()}
             if base is not None:
                 row["e2e_mean_change_pct"] = pct(r.summary.e2e_mean, base.summary.e2e_mean)
@@ -128,7 +130,8 @@ def run_bench(
         if out is None:
             out = BenchResult(workload_name, profile.name, instances, prediction, seed,
                               len(prep.requests), len(prep.rejected), prep.clipped)
-        out.results.append(PolicyResult(spec, summarize(run), run.decisions, run.holds, wall))
+        out.results.append(PolicyResult(spec, summarize(run), run.decisions, run.holds, wall,
+                                        run.forced_dispatches))
     assert out is not None
     return out
 

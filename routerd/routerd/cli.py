@@ -35,8 +35,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                         "the bundled Azure conv sample)")
     p.add_argument("--profile", "-p", default=DEFAULT_PROFILE, help="hardware profile name or YAML path")
     p.add_argument("--instances", "-m", type=int, default=DEFAULT_INSTANCES, help="number of instances")
-    p.add_argument("--policies", default=",".join(DEFAULT_BENCH_POLICIES),
-                   help="policy specs separated by ';' or ',' (name or name:key=value|key=value)")
+    p.add_argument("--policies", default=None,
+                   help="policy specs separated by ';' or ',' (name or name:key=value|key=value); default: "
+                        + ",".join(DEFAULT_BENCH_POLICIES))
     p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s); traces are rescaled")
     p.add_argument("--limit", type=int, default=None, help="first N requests of a trace")
     p.add_argument("-n", type=int, default=None, help="requests of a generated workload (public-mix, paper-mix)")
@@ -61,6 +62,21 @@ def _split_specs(text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+def _default_specs(instances: int) -> list[str]:
+    """The default policy list; ``dqn`` only when the shipped checkpoint fits ``instances``."""
+    from routerd.policies.dqn.checkpoint import CheckpointError, load_checkpoint
+    from routerd.policies.registry import DEFAULT_BENCH_POLICIES
+
+    specs = list(DEFAULT_BENCH_POLICIES)
+    if "dqn" in specs:
+        try:
+            load_checkpoint("default", num_instances=instances)
+        except CheckpointError as e:
+            specs.remove("dqn")
+            print(f"phasewise: note: dqn left out: {e}", file=sys.stderr)
+    return specs
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from routerd.bench import eight_request_study, run_bench
     from routerd.bench_report import format_study, format_table, plot_bench
@@ -72,7 +88,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.action_interval <= 0:
         raise UsageError(f"--action-interval must be > 0, got {args.action_interval}")
     profile = get_profile(args.profile)
-    specs = _split_specs(args.policies)
+    specs = _split_specs(args.policies) if args.policies is not None else _default_specs(args.instances)
     if not specs:
         raise UsageError("--policies is empty")
     out = Path(args.out)
@@ -120,6 +136,59 @@ def _progress_factory():
     return make
 
 
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    from routerd.rl.reward import REWARD_VARIANTS
+
+    p = sub.add_parser(
+        "train",
+        help="train the Double-DQN router on the simulator and write a checkpoint",
+        description="Train on the training part of a workload (routerd.rl.splits) and write "
+        "model.safetensors + metadata.json into --output. Needs the rl extra (torch).",
+    )
+    p.add_argument("--variant", default="workload-guided", choices=REWARD_VARIANTS, help="reward variant")
+    p.add_argument("--workload", "-w", default="public-mix", help="training workload name")
+    p.add_argument("--instances", "-m", type=int, default=DEFAULT_INSTANCES)
+    p.add_argument("--profile", "-p", default=DEFAULT_PROFILE)
+    p.add_argument("--episodes", type=int, default=30)
+    p.add_argument("--requests-per-episode", type=int, default=1000)
+    p.add_argument("--rate", type=float, default=20.0, help="episode arrival rate (req/s); 0 keeps a trace's rate")
+    p.add_argument("--prediction", default="true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--output", "-o", default="checkpoints/dqn", help="checkpoint folder to write")
+    p.add_argument("--quiet", action="store_true", help="no per-episode log or progress bar")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise UsageError("phasewise train needs torch: pip install -e '.[rl]'") from None
+    from routerd.profiles import get_profile
+    from routerd.rl.train import Args, train
+    from routerd.sim.prepare import parse_prediction
+    from routerd.workloads.registry import load_workload
+
+    if args.instances < 1 or args.episodes < 1 or args.requests_per_episode < 1:
+        raise UsageError("--instances, --episodes and --requests-per-episode must be >= 1")
+    if args.rate is not None and args.rate < 0:
+        raise UsageError(f"--rate must be >= 0, got {args.rate}")
+    get_profile(args.profile)
+    parse_prediction(args.prediction)
+    load_workload(args.workload, n=1, limit=1, data_dir=args.data_dir) if args.workload in (
+        "public-mix", "paper-mix") else load_workload(args.workload, limit=1, data_dir=args.data_dir)
+    a = Args(variant=args.variant, workload=args.workload, instances=args.instances, profile=args.profile,
+             episodes=args.episodes, requests_per_episode=args.requests_per_episode,
+             rate=args.rate or None, prediction=args.prediction, seed=args.seed, data_dir=args.data_dir,
+             output=args.output, explore_episodes=min(20, args.episodes))
+    log = (lambda _msg: None) if args.quiet else print
+    try:
+        train(a, log=log, progress=not args.quiet and sys.stderr.isatty())
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``phasewise``."""
     from routerd import __version__
@@ -128,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"phasewise {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
+    _train_parser(sub)
     return parser
 
 
@@ -143,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return _cmd_bench(args)
+        if args.command == "train":
+            return _cmd_train(args)
     except (UsageError, PolicyError, ProfileError, PredictionError, WorkloadError) as e:
         print(f"phasewise: error: {e}", file=sys.stderr)
         return 2

@@ -69,7 +69,18 @@ def r_mixing(
     load = 0.0
     for p_j, d_j in resident:
         load += p_j + d_j
-    n = len(resident)
+    return r_mixing_from_load(profile, len(resident), load, prompt_tokens, output_tokens, params)
+
+
+def r_mixing_from_load(
+    profile: HardwareProfile,
+    n: int,
+    load: float,
+    prompt_tokens: float,
+    output_tokens: float,
+    params: MixingParams = MixingParams(),
+) -> float:
+    """:func:`r_mixing` from aggregates: ``n`` residents whose ``p_j + d_j`` sum to ``load`` tokens."""
     t_p = profile.grad1 * (prompt_tokens * prompt_tokens + load)
     r_p = 1.0 if t_p <= params.epsilon else 1.0 / t_p - params.epsilon
     r_d = -profile.grad2 * (load + n * (prompt_tokens + output_tokens))

@@ -160,6 +160,10 @@ class PolicyContext:
     bucket_edges: tuple[int, ...] = field(default=PREDICTOR_BUCKET_EDGES)
 
 
+class PolicySetupError(ValueError):
+    """A policy cannot be built from valid parameters (e.g. its checkpoint is missing or unfit)."""
+
+
 class PolicyParams(BaseModel):
     """Base of each policy's typed parameters (unknown keys are rejected)."""
 

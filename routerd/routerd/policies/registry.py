@@ -12,8 +12,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from routerd.policies.base import PolicyContext, RoutingPolicy
+from routerd.policies.base import PolicyContext, PolicySetupError, RoutingPolicy
 from routerd.policies.decode_balancer import DecodeBalancer
+from routerd.policies.dqn.policy import DQNPolicy
 from routerd.policies.join_shortest_queue import JoinShortestQueue
 from routerd.policies.kv_headroom import LateBinding
 from routerd.policies.kv_queue_scorer import QueueKvScorer
@@ -46,12 +47,16 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
         LateBinding,
         DecodeBalancer,
         Oracle,
+        DQNPolicy,
     )
 }
 """Every routing policy by its ``name``."""
 
-DEFAULT_BENCH_POLICIES: list[str] = [name for name, cls in POLICIES.items() if not cls.oracle] + ["oracle"]
-"""Policies a benchmark runs unless told otherwise: every non-oracle one, then ``oracle``."""
+DEFAULT_BENCH_POLICIES: list[str] = [
+    name for name, cls in POLICIES.items() if not cls.oracle and name != "dqn"
+] + ["oracle"]
+"""Policies a benchmark runs unless told otherwise: every non-oracle one, then ``oracle``.
+``dqn`` joins once a trained default checkpoint ships (issue #3)."""
 
 
 def policy_names() -> list[str]:
@@ -75,7 +80,8 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
         raise PolicyError(f"policy spec {spec!r}: empty policy name")
     params: dict[str, Any] = {}
     if rest.strip():
-        for item in rest.split(","):
+        # Parameters are separated by ',' or '|' ('|' survives a ','-separated policy list).
+        for item in rest.replace("|", ",").split(","):
             key, eq, value = item.partition("=")
             key = key.strip()
             if not eq or not key:
@@ -103,7 +109,10 @@ def build_policy(name: str, params: dict[str, Any] | None, ctx: PolicyContext) -
         field = ".".join(str(x) for x in err["loc"]) or "params"
         fields = ", ".join(cls.Params.model_fields) or "none"
         raise PolicyError(f"policy {name!r}: field {field}: {err['msg']} (fields: {fields})") from None
-    return cls(ctx, typed)
+    try:
+        return cls(ctx, typed)
+    except PolicySetupError as e:
+        raise PolicyError(f"policy {name!r}: {e}") from None
 
 
 def build_policy_from_spec(spec: str, ctx: PolicyContext) -> RoutingPolicy:

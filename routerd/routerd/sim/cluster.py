@@ -122,6 +122,8 @@ class ClusterRun:
     """Calls to ``policy.pick``."""
     holds: int
     """Decisions that returned ``None`` (request held at the router)."""
+    forced_dispatches: int = 0
+    """Requests dispatched round robin because the policy held them on an idle cluster."""
 
 
 class ClusterSimulator:
@@ -167,6 +169,19 @@ class ClusterSimulator:
         self.finished = 0
         self.arrived = 0
         self.now = 0.0
+        self.queue_inv_T = 0.0  # RL reward: sum of 1/T_j over the router queue
+        self.idle_hold_limit_s = 1.0
+        """A request held this long while every instance is idle is dispatched round robin."""
+        self.forced_dispatches = 0
+        """Dispatches forced by ``idle_hold_limit_s`` (a policy that would hold forever)."""
+        self._idle_from: float | None = None
+        self._force_rr = -1
+        self.track_penalty = False
+        """When True, integrate the RL penalty over simulated time (see penalty_integral)."""
+        self.penalty_integral = 0.0
+        """Integral over time (s) of sum_j (1/T_j)(1 - f_j) over queued and resident requests."""
+        self._pen_t = 0.0
+        self._pen_rate = 0.0
         self.on_finish: Callable[[SimRequest, float], None] | None = None
 
     # -- event plumbing -------------------------------------------------------
@@ -212,13 +227,19 @@ class ClusterSimulator:
             choice = yield r
             if choice is None:
                 self.holds += 1
-                break
+                if self._idle_since(now) < self.idle_hold_limit_s:
+                    break
+                # Holding while every instance is idle would never end: fail open.
+                self.forced_dispatches += 1
+                self._force_rr = (self._force_rr + 1) % n
+                choice = self._force_rr
             if type(choice) is not int or not 0 <= choice < n:
                 raise SimulationError(
                     f"policy {self.policy.name!r} returned {choice!r} for request {r.id}; "
                     f"expected an instance index 0..{n - 1} or None"
                 )
             q.popleft()
+            self.queue_inv_T -= r.inv_T
             self.dispatch(r, choice, now)
         if self._idle_dispatched:
             # Requests dispatched in one round at the same instant share the first step.
@@ -229,6 +250,29 @@ class ClusterSimulator:
             self._tick_pending = True
             k = math.floor(now / self.action_interval_s + 1e-9) + 1
             self._push(k * self.action_interval_s, None)
+
+    def _idle_since(self, now: float) -> float:
+        """Seconds every instance has been idle while the router held requests (0 if busy)."""
+        for inst in self.instances:
+            if inst.busy or inst.running or inst.waiting:
+                self._idle_from = None
+                return 0.0
+        if self._idle_from is None:
+            self._idle_from = now
+        return now - self._idle_from
+
+    def penalty_rate(self, now: float) -> float:
+        """sum_j (1/T_j)(1 - f_j) over the router queue and every instance at ``now``."""
+        total = self.queue_inv_T
+        for inst in self.instances:
+            total += inst.unfinished_penalty(inst.decode_iters_at(now))
+        return total
+
+    def _integrate(self, now: float) -> None:
+        # Left Riemann sum over events: the state only changes at events (and f_j grows
+        # within decode segments, which this slightly over-counts).
+        self.penalty_integral += self._pen_rate * (now - self._pen_t)
+        self._pen_t = now
 
     # -- run ------------------------------------------------------------------
     def steps(
@@ -252,9 +296,16 @@ class ClusterSimulator:
         na = len(arrivals)
         now = 0.0
         reported = 0
+        track = self.track_penalty
         while ai < na or heap:
+            if track:
+                if self.now > self._pen_t:
+                    self._integrate(self.now)
+                self._pen_rate = self.penalty_rate(self.now)
             if heap and (ai >= na or heap[0][0] < arrivals[ai].arrival_s):
                 now, _, ev = pop(heap)
+                if track:
+                    self._integrate(now)
                 self.now = now
                 if ev is None:
                     self._tick_pending = False
@@ -272,16 +323,20 @@ class ClusterSimulator:
                     reported = self.finished
             else:
                 now = arrivals[ai].arrival_s
+                if track:
+                    self._integrate(now)
                 self.now = now
                 # Simultaneous arrivals reach the router together.
                 while ai < na and arrivals[ai].arrival_s == now:
                     self.queue.append(arrivals[ai])
+                    self.queue_inv_T += arrivals[ai].inv_T
                     self.arrived += 1
                     ai += 1
                 yield from self._decide(now)
         if progress is not None and self.finished > reported:
             progress(self.finished - reported)
-        return ClusterRun(list(requests), self.instances, now, self.decisions, self.holds)
+        return ClusterRun(list(requests), self.instances, now, self.decisions, self.holds,
+                          self.forced_dispatches)
 
     def run(self, requests: Sequence[SimRequest], progress: Callable[[int], None] | None = None) -> ClusterRun:
         """Simulate until every request has finished; ``requests`` must be sorted by arrival.

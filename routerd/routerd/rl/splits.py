@@ -1,0 +1,61 @@
+"""Training and held-out workload samples for RL (no evaluation data is ever trained on).
+
+* Generated workloads (``public-mix``, ``paper-mix``): training episodes use seeds
+  ``>= TRAIN_SEED_BASE``; evaluation uses small seeds (0, 1, 2, ...).
+* Traces (``azure-conv``, ``azure-code``, ``mooncake``, ``sample``): the first
+  ``TRAIN_FRACTION`` of the requests (by arrival) are for training, the rest are
+  held out. An episode is a contiguous window of ``n`` requests, re-based to start at
+  0 s and optionally rescaled to ``rate`` req/s.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+
+from routerd.model import Request
+from routerd.workloads.registry import load_workload
+from routerd.workloads.traces import rescale_to_rate
+
+TRAIN_SEED_BASE = 1_000_000
+TRAIN_FRACTION = 0.6
+GENERATORS = ("public-mix", "paper-mix")
+
+
+@cache
+def _trace(name: str, data_dir: str | None) -> tuple[Request, ...]:
+    return tuple(load_workload(name, data_dir=data_dir).requests)
+
+
+def _window(reqs: tuple[Request, ...], start: int, n: int, rate: float | None) -> list[Request]:
+    win = reqs[start:start + n]
+    t0 = win[0].arrival_s
+    out = [r.model_copy(update={"id": i, "arrival_s": r.arrival_s - t0}) for i, r in enumerate(win)]
+    return rescale_to_rate(out, rate) if rate else out
+
+
+def sample(name: str, part: str, index: int, n: int, rate: float | None, data_dir: str | None = None) -> list[Request]:
+    """Workload sample number ``index`` of ``part`` (``"train"`` or ``"eval"``).
+
+    Raises:
+        routerd.workloads.WorkloadError: unknown workload or missing data.
+        ValueError: ``part`` is not train/eval, or the trace part is shorter than ``n``.
+    """
+    if part not in ("train", "eval"):
+        raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
+    if name in GENERATORS:
+        seed = TRAIN_SEED_BASE + index if part == "train" else index
+        return load_workload(name, n=n, rate=rate if rate else 20.0, seed=seed, data_dir=data_dir).requests
+    reqs = _trace(name, data_dir)
+    cut = int(len(reqs) * TRAIN_FRACTION)
+    lo, hi = (0, cut) if part == "train" else (cut, len(reqs))
+    if hi - lo < n:
+        raise ValueError(f"workload {name}: the {part} part has {hi - lo} requests, fewer than n={n}")
+    if part == "train":
+        start = random.Random(index).randrange(lo, hi - n + 1)
+    else:
+        # Evaluation windows tile the held-out part, so different indices differ.
+        span = hi - lo - n
+        k = max(1, span // n + 1)
+        start = lo + (index % k) * min(n, span // max(1, k - 1) if k > 1 else 0)
+    return _window(reqs, start, n, rate)

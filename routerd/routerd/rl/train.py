@@ -1,0 +1,268 @@
+"""Double-DQN trainer for the router, readable top to bottom (after CleanRL's ``dqn.py``).
+
+``phasewise train`` calls :func:`train`. Hyperparameters the paper gives: layers
+(obs, 64), (64, 64), (64, m + 1) with ReLU, batch 512, exploration ending by episode 20,
+r_w = 60, alpha = 0.5, beta_d = 0.5, an action every 0.02 s (arXiv 2408.13510 A.9).
+The rest are ours, chosen before any evaluation and exposed in :class:`Args`:
+gamma 0.998 per 0.02 s of simulated time (a semi-MDP discount, so the horizon is about
+10 s however many decisions fall in it), Adam with learning rate 5e-4, replay buffer 100,000 transitions, a hard
+target-network update every 1,000 steps, a gradient step every 4 environment steps
+after 2,000 warm-up steps, Huber loss, rewards scaled by 0.01, gradient norm clip 10.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from routerd.policies.base import PolicyContext
+from routerd.policies.dqn.checkpoint import save_checkpoint
+from routerd.policies.dqn.features import obs_dim
+from routerd.policies.dqn.network import build_torch_qnet
+from routerd.policies.round_robin import RoundRobin
+from routerd.profiles import get_profile
+from routerd.rl import splits
+from routerd.rl.env import RoutingEnv
+from routerd.rl.reward import REWARD_VARIANTS, RewardConfig
+from routerd.sim import ClusterSimulator, prepare_requests
+from routerd.sim.report import summarize
+
+
+@dataclass
+class Args:
+    """Everything a training run depends on (recorded in the checkpoint)."""
+
+    variant: str = "workload-guided"
+    """Reward variant: baseline, workload-aware or workload-guided."""
+    workload: str = "public-mix"
+    """Training workload (its training part only; see routerd.rl.splits)."""
+    profile: str = "llama2-7b-v100"
+    instances: int = 4
+    episodes: int = 30
+    """Training episodes; exploration ends at ``explore_episodes``."""
+    requests_per_episode: int = 1000
+    rate: float | None = 20.0
+    """Arrival rate (req/s) of the episodes; None keeps a trace's own rate."""
+    seed: int = 0
+    output: str = "checkpoints/dqn"
+    prediction: str = "true"
+    gamma: float = 0.998
+    """Discount per ``step_s`` (0.02 s) of simulated time."""
+    learning_rate: float = 5e-4
+    buffer_size: int = 100_000
+    batch_size: int = 512
+    learning_starts: int = 2_000
+    train_frequency: int = 4
+    target_update_steps: int = 1_000
+    eps_start: float = 1.0
+    eps_end: float = 0.05
+    explore_episodes: int = 20
+    reward_scale: float = 0.01
+    hidden: int = 64
+    r_w: float = 60.0
+    beta_d: float = 0.5
+    alpha: float = 0.5
+    mix_epsilon: float = 0.1
+    guide_policy: str | None = None
+    """Heuristic whose action replaces a random one in ``guide_mix`` of exploratory steps
+    (policy spec, e.g. ``late_binding``); None explores uniformly as in the paper."""
+    guide_mix: float = 0.5
+    eval_episodes: int = 3
+    """Held-out samples for the evaluation figures stored in the checkpoint."""
+    torch_threads: int = 1
+    data_dir: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class ReplayBuffer:
+    """Fixed-size ring buffer of transitions (numpy)."""
+
+    def __init__(self, size: int, obs: int, rng: np.random.Generator) -> None:
+        self.obs = np.zeros((size, obs), np.float32)
+        self.next_obs = np.zeros((size, obs), np.float32)
+        self.actions = np.zeros(size, np.int64)
+        self.rewards = np.zeros(size, np.float32)
+        self.dones = np.zeros(size, np.float32)
+        self.steps = np.zeros(size, np.float32)  # elapsed time in units of step_s
+        self.size, self.pos, self.full, self.rng = size, 0, False, rng
+
+    def add(self, o, a, r, o2, d, k) -> None:
+        i = self.pos
+        self.obs[i], self.actions[i], self.rewards[i], self.next_obs[i], self.dones[i] = o, a, r, o2, d
+        self.steps[i] = k
+        self.pos = (i + 1) % self.size
+        self.full = self.full or self.pos == 0
+
+    def sample(self, n: int):
+        idx = self.rng.integers(0, self.size if self.full else self.pos, n)
+        return (self.obs[idx], self.actions[idx], self.rewards[idx], self.next_obs[idx], self.dones[idx],
+                self.steps[idx])
+
+
+def epsilon_for(args: Args, episode: int) -> float:
+    """Linear decay from eps_start to eps_end over the exploration episodes, then greedy."""
+    if episode >= args.explore_episodes:
+        return 0.0
+    frac = episode / max(1, args.explore_episodes - 1)
+    return args.eps_start + frac * (args.eps_end - args.eps_start)
+
+
+def round_robin_e2e(profile, m: int, requests, prediction: str, seed: int) -> float:
+    """Mean E2E latency (s) of round robin on ``requests`` (the per-episode reference)."""
+    prep = prepare_requests(requests, profile, prediction=prediction, seed=seed)
+    run = ClusterSimulator(profile, m, RoundRobin(PolicyContext(profile, m))).run(prep.requests)
+    return summarize(run).e2e_mean
+
+
+def train(args: Args, log: Callable[[str], None] = print, progress: bool = True) -> Path:
+    """Train a Double DQN and write a checkpoint folder to ``args.output``; returns its path.
+
+    Raises:
+        ValueError: unknown variant or bad numbers; routerd.profiles.ProfileError;
+            routerd.workloads.WorkloadError.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    if args.variant not in REWARD_VARIANTS:
+        raise ValueError(f"unknown variant {args.variant!r}; valid: {', '.join(REWARD_VARIANTS)}")
+    if args.instances < 1 or args.episodes < 1 or args.requests_per_episode < 1:
+        raise ValueError("instances, episodes and requests_per_episode must be >= 1")
+    t_start = time.perf_counter()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.torch_threads)
+    profile = get_profile(args.profile)
+    m = args.instances
+    reward = RewardConfig(args.variant, r_w=args.r_w, gamma=args.gamma, beta_d=args.beta_d,
+                          alpha=args.alpha, epsilon=args.mix_epsilon)
+    n, rate = args.requests_per_episode, args.rate
+
+    def workload_fn(index: int):
+        return splits.sample(args.workload, "train", index, n, rate, args.data_dir)
+
+    env = RoutingEnv(profile, m, workload_fn, reward, prediction=args.prediction)
+    q_net = build_torch_qnet(obs_dim(m), m + 1, args.hidden)
+    target = copy.deepcopy(q_net)
+    opt = torch.optim.Adam(q_net.parameters(), lr=args.learning_rate)
+    rb = ReplayBuffer(args.buffer_size, obs_dim(m), np.random.default_rng(args.seed))
+    rng = random.Random(args.seed)
+    guide = None
+    if args.guide_policy:
+        from routerd.policies.registry import build_policy_from_spec
+
+        guide = build_policy_from_spec(args.guide_policy, PolicyContext(profile, m, seed=args.seed))
+    global_step = 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.episodes, desc=f"train {args.variant}", unit="episode")
+    history = []
+    for episode in range(args.episodes):
+        env.set_episode(episode)
+        eps = epsilon_for(args, episode)
+        gamma_k = reward.discount(episode)
+        ep_index = args.seed * 10_000 + episode
+        obs, _ = env.reset(seed=ep_index)
+        ep_return, done = 0.0, False
+        while not done:
+            if rng.random() < eps:
+                if guide is not None and rng.random() < args.guide_mix:
+                    action = env.action_of(guide)
+                else:
+                    action = rng.randrange(m + 1)
+            else:
+                with torch.no_grad():
+                    action = int(q_net(torch.from_numpy(obs)).argmax())
+            next_obs, r, done, _, info = env.step(action)
+            ep_return += r
+            rb.add(obs, action, r * args.reward_scale, next_obs, float(done), info["dt"] / reward.step_s)
+            obs = next_obs
+            global_step += 1
+            if global_step > args.learning_starts and global_step % args.train_frequency == 0:
+                o, a, rr, o2, d, k = (torch.from_numpy(x) for x in rb.sample(args.batch_size))
+                with torch.no_grad():
+                    # Double DQN: the online network picks, the target network evaluates.
+                    a2 = q_net(o2).argmax(dim=1, keepdim=True)
+                    # Discount per step_s of simulated time (a semi-MDP): decisions at the
+                    # same instant do not discount each other.
+                    y = rr + torch.pow(gamma_k, k) * (1.0 - d) * target(o2).gather(1, a2).squeeze(1)
+                q = q_net(o).gather(1, a.unsqueeze(1)).squeeze(1)
+                loss = F.smooth_l1_loss(q, y)
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(q_net.parameters(), 10.0)
+                opt.step()
+            if global_step % args.target_update_steps == 0:
+                target.load_state_dict(q_net.state_dict())
+        s = summarize(env.run)
+        rr_e2e = round_robin_e2e(profile, m, workload_fn(ep_index), args.prediction, ep_index)
+        rec = {"episode": episode, "return": ep_return, "epsilon": eps, "steps": env.decisions,
+               "hold_rate": env.holds / max(1, env.decisions), "e2e_mean": s.e2e_mean,
+               "rr_e2e_mean": rr_e2e, "e2e_vs_rr_pct": 100.0 * (s.e2e_mean - rr_e2e) / rr_e2e,
+               "makespan": s.makespan, "preemptions": s.preemptions}
+        history.append(rec)
+        log(f"episode {episode:3d} return {ep_return:12.1f} eps {eps:.2f} steps {env.decisions:6d} "
+            f"hold {rec['hold_rate']:.2f} e2e {s.e2e_mean:7.2f}s vs RR {rec['e2e_vs_rr_pct']:+6.1f}% "
+            f"preempt {s.preemptions}")
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    weights = {k: v.detach().cpu().numpy() for k, v in q_net.state_dict().items()}
+    train_s = time.perf_counter() - t_start
+    evaluation = evaluate_weights(weights, profile, m, args)
+    meta = {
+        "variant": args.variant, "num_instances": m, "obs_dim": obs_dim(m), "hidden": args.hidden,
+        "profile": profile.name, "workload": {"name": args.workload, "part": "train",
+                                              "requests_per_episode": n, "rate": rate},
+        "hyperparameters": {k: v for k, v in asdict(args).items() if k not in ("output", "data_dir", "extra")},
+        "training": {"seconds": train_s, "steps": global_step, "history": history},
+        "evaluation": evaluation,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    path = save_checkpoint(args.output, weights, meta)
+    log(f"trained in {train_s:.0f} s ({global_step} steps); held-out mean E2E vs RR "
+        f"{evaluation['e2e_vs_rr_pct_mean']:+.1f}%; wrote {path}")
+    return path
+
+
+def evaluate_weights(weights, profile, m: int, args: Args) -> dict:
+    """Greedy policy vs round robin on ``args.eval_episodes`` held-out samples."""
+    from routerd.policies.dqn.policy import DQNPolicy
+
+    rows = []
+    for i in range(args.eval_episodes):
+        reqs = splits.sample(args.workload, "eval", i, args.requests_per_episode, args.rate, args.data_dir)
+        prep = prepare_requests(reqs, profile, prediction=args.prediction, seed=i)
+        policy = DQNPolicy(PolicyContext(profile, m, seed=i), weights=weights)
+        run = ClusterSimulator(profile, m, policy).run(prep.requests)
+        s = summarize(run)
+        rr = prepare_requests(reqs, profile, prediction=args.prediction, seed=i)
+        base = summarize(ClusterSimulator(profile, m, RoundRobin(PolicyContext(profile, m))).run(rr.requests))
+        rows.append({"sample": i, "e2e_mean": s.e2e_mean, "rr_e2e_mean": base.e2e_mean,
+                     "makespan": s.makespan, "rr_makespan": base.makespan,
+                     "e2e_vs_rr_pct": 100 * (s.e2e_mean - base.e2e_mean) / base.e2e_mean,
+                     "makespan_vs_rr_pct": 100 * (s.makespan - base.makespan) / base.makespan})
+    return {"workload": args.workload, "part": "eval", "samples": rows,
+            "e2e_vs_rr_pct_mean": statistics.mean(r["e2e_vs_rr_pct"] for r in rows),
+            "makespan_vs_rr_pct_mean": statistics.mean(r["makespan_vs_rr_pct"] for r in rows)}
+
+
+if __name__ == "__main__":  # pragma: no cover - use `phasewise train`
+    import sys
+
+    a = Args(episodes=int(sys.argv[1]) if len(sys.argv) > 1 else 30)
+    train(a)
+    _ = math
