@@ -1,0 +1,106 @@
+"""RL environment and trainer: reward by hand, determinism, a tiny training run, CLI errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import toy_profile
+
+from routerd.model import Request
+from routerd.rl.reward import RewardConfig
+
+gym = pytest.importorskip("gymnasium")
+
+
+def _env(reqs, variant="baseline", m=1):
+    from routerd.rl.env import RoutingEnv
+
+    prof = toy_profile()
+    return RoutingEnv(prof, m, lambda seed: reqs, RewardConfig(variant, r_w=60.0))
+
+
+def test_reward_integrates_the_penalty_over_time_by_hand():
+    # One request, prompt 10, output 3, predicted bucket 0 -> point estimate 125 tokens.
+    # T = grad1 * 10 + 0.02 * 125 = 0.0032 + 2.5 = 2.5032 s.
+    # Events: arrival 0, prefill end 0.02 (generated 1), decode segment end 0.0463 (done).
+    # Penalty integral (left sums over events): (1/T)*0.02 + (1/T)(1 - 1/125)*0.0263.
+    env = _env([Request(id=0, arrival_s=0.0, prompt_tokens=10, output_tokens=3)])
+    obs, _ = env.reset(seed=0)
+    assert obs.shape == (9,)
+    _, r, done, trunc, info = env.step(0)
+    assert done and not trunc
+    T = 3.2e-4 * 10 + 0.02 * 125
+    integral = 0.02 / T + (1 - 1 / 125) * (0.0463 - 0.02) / T
+    assert r == pytest.approx(-integral / 0.02 + 60.0)
+    assert info["completed"] == 1
+
+
+def test_hold_then_dispatch_and_shaping_sign():
+    reqs = [Request(id=i, arrival_s=0.0, prompt_tokens=10, output_tokens=3) for i in range(2)]
+    env = _env(reqs, "workload-aware", m=2)
+    env.reset(seed=0)
+    _, r_hold, done, _, info = env.step(2)  # hold: next decision at the 0.02 s tick
+    assert not done and info["time"] == pytest.approx(0.02) and info["h"] == 0.0
+    _, _, _, _, info = env.step(0)
+    assert info["h"] <= 0.0
+
+
+def test_env_is_deterministic_for_a_seed():
+    reqs = [Request(id=i, arrival_s=0.01 * i, prompt_tokens=10 + i, output_tokens=5 + i) for i in range(20)]
+    traces = []
+    for _ in range(2):
+        env = _env(reqs, m=2)
+        obs, _ = env.reset(seed=3)
+        done, out = False, []
+        k = 0
+        while not done:
+            obs, r, done, _, _ = env.step(k % 3)
+            out.append((round(r, 9), tuple(obs.round(6))))
+            k += 1
+        traces.append(out)
+    assert traces[0] == traces[1]
+
+
+def test_guided_weight_and_discount_schedule():
+    cfg = RewardConfig("workload-guided", gamma=0.99, beta_d=0.5)
+    # gamma_k = (1 - e^{-0.5 k}) * 0.99; weight = gamma - gamma_k = 0.99 e^{-0.5 k}
+    assert cfg.discount(0) == 0.0 and cfg.shaping_weight(0) == pytest.approx(0.99)
+    assert cfg.discount(2) == pytest.approx((1 - 0.36787944) * 0.99)
+    assert cfg.shaping_weight(10) == pytest.approx(0.99 * 0.006737947, rel=1e-6)
+    assert RewardConfig("baseline").shaping_weight(3) == 0.0
+    assert RewardConfig("workload-aware").shaping_weight(30) == 1.0
+    with pytest.raises(ValueError, match="unknown reward variant"):
+        RewardConfig("greedy")
+
+
+def test_tiny_training_run_writes_a_loadable_checkpoint(tmp_path):
+    pytest.importorskip("torch")
+    from routerd.policies.dqn.checkpoint import load_checkpoint
+    from routerd.rl.train import Args, train
+
+    args = Args(workload="paper-mix", instances=2, episodes=2, requests_per_episode=60, rate=10.0,
+                learning_starts=50, batch_size=32, target_update_steps=50, explore_episodes=1,
+                eval_episodes=1, output=str(tmp_path / "ck"), seed=1)
+    path = train(args, log=lambda _m: None, progress=False)
+    ck = load_checkpoint(path, num_instances=2)
+    meta = ck.metadata
+    assert meta["variant"] == "workload-guided" and meta["num_instances"] == 2
+    assert len(meta["training"]["history"]) == 2
+    assert meta["evaluation"]["part"] == "eval" and len(meta["evaluation"]["samples"]) == 1
+    assert ck.weights["l1.weight"].shape == (64, 15)
+    # same seed -> same weights
+    args2 = Args(**{**args.__dict__, "output": str(tmp_path / "ck2")})
+    ck2 = load_checkpoint(train(args2, log=lambda _m: None, progress=False))
+    assert all((ck.weights[k] == ck2.weights[k]).all() for k in ck.weights)
+    json.dumps(meta)
+
+
+def test_train_cli_bad_input_exit_2(capsys):
+    pytest.importorskip("torch")
+    from routerd.cli import main
+
+    assert main(["train", "--workload", "nope", "--episodes", "1"]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert main(["train", "--instances", "0"]) == 2
+    assert "--instances" in capsys.readouterr().err
