@@ -72,6 +72,11 @@ class Args:
     beta_d: float = 0.5
     alpha: float = 0.5
     mix_epsilon: float = 0.1
+    potential_shaping: float = 0.0
+    """Weight ``c`` of potential-based shaping (Ng et al. 1999) with Phi(s) = -c * P(s),
+    P the penalty rate (per step_s) at the decision: adds gamma^dt * Phi(s') - Phi(s) to
+    each reward. It leaves the optimal policy unchanged and centres the values, which
+    are otherwise dominated by the size of the backlog. 0 disables it."""
     guide_policy: str | None = None
     """Heuristic whose action replaces a random one in ``guide_mix`` of exploratory steps
     (policy spec, e.g. ``late_binding``); None explores uniformly as in the paper."""
@@ -176,6 +181,7 @@ def train(args: Args, log: Callable[[str], None] = print, progress: bool = True)
         ep_index = args.seed * 10_000 + episode
         obs, _ = env.reset(seed=ep_index)
         ep_return, done = 0.0, False
+        phi = -args.potential_shaping * env.sim.penalty_rate(env.sim.now)
         while not done:
             if rng.random() < eps:
                 if guide is not None and rng.random() < args.guide_mix:
@@ -187,7 +193,12 @@ def train(args: Args, log: Callable[[str], None] = print, progress: bool = True)
                     action = int(q_net(torch.from_numpy(obs)).argmax())
             next_obs, r, done, _, info = env.step(action)
             ep_return += r
-            rb.add(obs, action, r * args.reward_scale, next_obs, float(done), info["dt"] / reward.step_s)
+            k = info["dt"] / reward.step_s
+            if args.potential_shaping:
+                phi2 = 0.0 if done else -args.potential_shaping * env.sim.penalty_rate(env.sim.now)
+                r += (gamma_k ** k) * phi2 - phi
+                phi = phi2
+            rb.add(obs, action, r * args.reward_scale, next_obs, float(done), k)
             obs = next_obs
             global_step += 1
             if global_step > args.learning_starts and global_step % args.train_frequency == 0:
