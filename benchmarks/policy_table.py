@@ -98,4 +98,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from routerd.workloads.errors import WorkloadError
+
+    try:
+        main()
+    except WorkloadError as e:
+        raise SystemExit(f"{__file__}: {e}") from None

@@ -104,3 +104,19 @@ def test_train_cli_bad_input_exit_2(capsys):
     assert "nope" in capsys.readouterr().err
     assert main(["train", "--instances", "0"]) == 2
     assert "--instances" in capsys.readouterr().err
+
+
+def test_numpy_forward_equals_torch_forward():
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from routerd.policies.dqn.network import q_values
+    from routerd.rl.qnet import build_torch_qnet
+
+    torch.manual_seed(0)
+    net = build_torch_qnet(27, 5)
+    x = torch.randn(32, 27)
+    with torch.no_grad():
+        expect = net(x).numpy()
+    weights = {k: v.detach().numpy() for k, v in net.state_dict().items()}
+    np.testing.assert_allclose(q_values(weights, x.numpy()), expect, rtol=1e-5, atol=1e-6)

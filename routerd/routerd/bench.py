@@ -121,8 +121,9 @@ def run_bench(
         for spec in policy_specs
     ]
     out: BenchResult | None = None
+    fitting = sum(1 for r in requests if r.prompt_tokens < profile.max_model_len)
     for spec, policy in zip(policy_specs, policies):
-        progress = progress_factory(spec, len(requests)) if progress_factory else None
+        progress = progress_factory(spec, fitting) if progress_factory else None
         t0 = time.perf_counter()
         run, prep = run_policy(profile, instances, policy, requests, prediction=prediction, seed=seed,
                                action_interval_s=action_interval_s, progress=progress)

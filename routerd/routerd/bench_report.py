@@ -27,14 +27,16 @@ def format_table(bench: BenchResult) -> str:
         vals = (r.spec, s.e2e_mean, s.e2e_p50, s.e2e_p90, s.e2e_p99, s.ttft_mean, s.ttft_p99,
                 1000 * s.tpot_mean, 1000 * s.tpot_p99, s.makespan, s.preemptions, s.router_wait_mean,
                 d_e2e, d_mk)
-        rows.append([fmt.format(v) for (_, fmt), v in zip(_COLUMNS, vals)])
+        rows.append([fmt.format(v) if not (isinstance(v, float) and v != v) else "n/a"
+                     for (_, fmt), v in zip(_COLUMNS, vals)])
     head = [c for c, _ in _COLUMNS]
     widths = [max(len(head[i]), *(len(row[i]) for row in rows)) for i in range(len(head))]
     lines = [
         f"workload={bench.workload} profile={bench.profile} instances={bench.instances} "
         f"requests={bench.requests} prediction={bench.prediction} seed={bench.seed}"
         + (f" rejected={bench.rejected} (prompt >= max_model_len)" if bench.rejected else "")
-        + (f" clipped={bench.clipped}" if bench.clipped else ""),
+        + (f" clipped={bench.clipped} (output cut to max_model_len - prompt)" if bench.clipped else "")
+        + ("" if base else " (no round_robin in the list: no change column)"),
         "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths))),
     ]
     for row in rows:
@@ -58,7 +60,7 @@ def plot_bench(bench: BenchResult, path: str | Path) -> None:
     axes[0].bar([i - 0.2 for i in x], mean, width=0.4, label="mean")
     axes[0].bar([i + 0.2 for i in x], p99, width=0.4, label="p99")
     axes[0].set_ylabel("E2E latency (s)")
-    axes[0].legend()
+    axes[0].legend(loc="upper left", bbox_to_anchor=(0.0, 1.15), ncol=2, frameon=False)
     axes[1].bar(list(x), mk, color="tab:green")
     axes[1].set_ylabel("makespan (s)")
     for ax in axes:
@@ -72,17 +74,19 @@ def plot_bench(bench: BenchResult, path: str | Path) -> None:
 
 def format_study(study: StudyResult) -> str:
     """The 8-request study beside the paper's Fig. 2 figures."""
+    w = max(22, *(len(s) + 2 for s in study.policies))
     lines = [
         "8 requests at 1 req/s, prompt/output 10-100 tokens, 2 instances, all 256 assignments",
         "metric: sum of the 8 E2E latencies (s)",
-        f"{'':22}{'this model':>12}{'paper':>10}",
-        f"{'optimum':22}{study.optimum:12.2f}{27.03:10.2f}",
-        f"{'random (mean)':22}{study.random_mean:12.2f}{29.81:10.2f}",
-        f"{'worst':22}{study.worst:12.2f}{32.34:10.2f}",
-        f"{'random vs optimum %':22}{pct(study.random_mean, study.optimum):12.2f}{pct(29.81, 27.03):10.2f}",
-        f"{'worst vs optimum %':22}{pct(study.worst, study.optimum):12.2f}{pct(32.34, 27.03):10.2f}",
+        f"{'':{w}}{'this model':>12}{'paper':>10}",
+        f"{'optimum':{w}}{study.optimum:12.2f}{27.03:10.2f}",
+        f"{'random (mean)':{w}}{study.random_mean:12.2f}{29.81:10.2f}",
+        f"{'worst':{w}}{study.worst:12.2f}{32.34:10.2f}",
+        f"{'random vs optimum %':{w}}{pct(study.random_mean, study.optimum):12.2f}{pct(29.81, 27.03):10.2f}",
+        f"{'worst vs optimum %':{w}}{pct(study.worst, study.optimum):12.2f}{pct(32.34, 27.03):10.2f}",
         f"preemptions: best assignment {study.preemptions_best}, worst {study.preemptions_worst}",
     ]
     for spec, v in study.policies.items():
-        lines.append(f"{spec:22}{v:12.2f}   ({pct(v, study.optimum):+.2f}% vs optimum)")
+        d = pct(v, study.optimum)
+        lines.append(f"{spec:{w}}{v:12.2f}   ({0.0 if abs(d) < 0.005 else d:+.2f}% vs optimum)")
     return "\n".join(lines)

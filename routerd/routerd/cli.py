@@ -42,13 +42,16 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N requests of a trace")
     p.add_argument("-n", type=int, default=None, help="requests of a generated workload (public-mix, paper-mix)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prediction", default="true", help="true | noisy[:ACC] | given | none")
+    p.add_argument("--prediction", default="true",
+                   help="true (bucket of the true length) | noisy[:ACC] (right with probability ACC, default "
+                        "0.7915, the paper's accuracy) | given (the workload's own predictions) | none")
     p.add_argument("--action-interval", type=float, default=0.02, help="router tick while holding (s)")
     p.add_argument("--data-dir", default=None, help="folder with traces/ and prompts/ (../shared/data)")
     p.add_argument("--out", "-o", default="bench-out", help="folder for bench.json and bench.png")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--study8", action="store_true",
-                   help="the paper's 8-request study: all 2^8 assignments to 2 instances")
+                   help="the paper's 8-request study: all 2^8 assignments to 2 instances (writes study8.json; "
+                        "uses --profile, --policies, --seed; ignores the workload and --instances)")
 
 
 def _split_specs(text: str) -> list[str]:
@@ -92,6 +95,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if not specs:
         raise UsageError("--policies is empty")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror})") from None
     if args.study8:
         study = eight_request_study(profile, specs, seed=args.seed, prediction=args.prediction)
         print(format_study(study))
@@ -189,6 +198,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_policies(args: argparse.Namespace) -> int:
+    from routerd.policies.registry import DEFAULT_BENCH_POLICIES, POLICIES
+
+    for name, cls in POLICIES.items():
+        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        tags = [t for t, on in (("oracle", cls.oracle), ("default", name in DEFAULT_BENCH_POLICIES)) if on]
+        print(f"{name}{' [' + ', '.join(tags) + ']' if tags else ''}: {doc}")
+        for field, info in cls.Params.model_fields.items():
+            desc = " ".join((info.description or "").split())
+            print(f"    {field} = {info.default!r}  {desc}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``phasewise``."""
     from routerd import __version__
@@ -197,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"phasewise {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
+    sub.add_parser("policies", help="list the routing policies with their parameters and defaults")
     _train_parser(sub)
     return parser
 
@@ -215,6 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_bench(args)
         if args.command == "train":
             return _cmd_train(args)
+        if args.command == "policies":
+            return _cmd_policies(args)
     except (UsageError, PolicyError, ProfileError, PredictionError, WorkloadError) as e:
         print(f"phasewise: error: {e}", file=sys.stderr)
         return 2

@@ -27,11 +27,11 @@ import numpy as np
 from routerd.policies.base import PolicyContext
 from routerd.policies.dqn.checkpoint import save_checkpoint
 from routerd.policies.dqn.features import obs_dim
-from routerd.policies.dqn.network import build_torch_qnet
 from routerd.policies.round_robin import RoundRobin
 from routerd.profiles import get_profile
 from routerd.rl import splits
 from routerd.rl.env import RoutingEnv
+from routerd.rl.qnet import build_torch_qnet
 from routerd.rl.reward import REWARD_VARIANTS, RewardConfig
 from routerd.sim import ClusterSimulator, prepare_requests
 from routerd.sim.report import summarize

@@ -115,7 +115,8 @@ def resolve_data_dir(data_dir: str | Path | None = None, *, needed_by: str = "th
             return p.resolve()
     raise WorkloadError(
         f"{needed_by} needs the shared data directory (shared/data with traces/ and prompts/), "
-        f"but none was found in {', '.join(str(p) for p in tried)}; pass data_dir=... or set "
+        f"but none was found in {', '.join(dict.fromkeys(str(p) for p in tried))}; pass --data-dir DIR "
+        f"(data_dir= in Python) or set "
         f"{DATA_DIR_ENV}=/path/to/shared/data (the 'sample' workload needs no data directory)"
     )
 

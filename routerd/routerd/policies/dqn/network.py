@@ -3,7 +3,8 @@
 Weights are stored in safetensors under the names ``l1.weight``, ``l1.bias``,
 ``l2.*``, ``l3.*`` (torch ``nn.Linear`` layout: weight is ``(out, in)``).
 :func:`q_values` evaluates them with numpy, so serving needs no torch;
-:func:`build_torch_qnet` makes the trainable torch module with the same names.
+:func:`routerd.rl.qnet.build_torch_qnet` makes the trainable torch module with the
+same names.
 """
 
 from __future__ import annotations
@@ -40,21 +41,3 @@ def check_shapes(weights: Mapping[str, np.ndarray], obs: int, actions: int) -> N
         b = weights[f"{layer}.bias"]
         if b.shape != (w.shape[0],):
             raise ValueError(f"{layer}.bias has shape {tuple(b.shape)}, expected ({w.shape[0]},)")
-
-
-def build_torch_qnet(obs: int, actions: int, hidden: int = 64):
-    """The torch module (imports torch lazily): Linear-ReLU-Linear-ReLU-Linear."""
-    import torch
-    from torch import nn
-
-    class QNetwork(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.l1 = nn.Linear(obs, hidden)
-            self.l2 = nn.Linear(hidden, hidden)
-            self.l3 = nn.Linear(hidden, actions)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
-
-    return QNetwork()

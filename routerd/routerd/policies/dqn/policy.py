@@ -21,7 +21,8 @@ class Params(PolicyParams):
     """Parameters of ``dqn``."""
 
     checkpoint: str = DEFAULT_CHECKPOINT
-    """Checkpoint folder, or ``default`` for the one shipped for llama2-7b-v100 with 4 instances."""
+    """Checkpoint folder (``phasewise train --output``), or ``default`` for the one shipped with
+    the package for llama2-7b-v100 and 4 instances (none ships yet: see docs/rl.md)."""
     allow_hold: bool = True
     """Whether the agent may hold the request at the router (the paper's no-action)."""
 
