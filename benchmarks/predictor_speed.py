@@ -13,7 +13,7 @@ request for:
   length, the closest stand-in for the paper's DistilBERT (0.8 s per batch of 64 on CPU).
 
 ``--model`` is a folder saved by ``phasewise predictor train``; without it an
-untrained model with the default architecture (2 layers, 64 tokens) is built — speed
+untrained model with the default architecture (1 layer, 64 tokens) is built — speed
 does not depend on the weights. The machine's cores may be shared: run it twice.
 
 Usage: python benchmarks/predictor_speed.py [--model DIR] [--n 640] [--threads 1] [--full]
@@ -69,7 +69,7 @@ def time_per_request(pred, batch: list[tuple], repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="saved predictor folder (default: untrained, same shape)")
-    ap.add_argument("--layers", type=int, default=2, help="layers of the untrained model")
+    ap.add_argument("--layers", type=int, default=1, help="layers of the untrained model")
     ap.add_argument("--max-length", type=int, default=64)
     ap.add_argument("--n", type=int, default=640, help="requests (multiple of 64)")
     ap.add_argument("--threads", type=int, default=1)
