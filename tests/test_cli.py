@@ -101,3 +101,23 @@ def test_console_entry_point_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "nope" in proc.stderr
+
+
+def test_given_prediction_without_predictions_is_a_clear_error(tmp_path, capsys):
+    assert main(["bench", "--limit", "20", "--prediction", "given", "--no-plot", "-o", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "carries no predictions" in err and "predictor:" in err
+
+
+def test_out_that_is_a_file_fails_before_simulating(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["bench", "--limit", "20", "-o", str(f)]) == 2
+    assert "not a folder" in capsys.readouterr().err
+
+
+def test_policies_command_lists_parameters(capsys):
+    assert main(["policies"]) == 0
+    out = capsys.readouterr().out
+    assert "late_binding [default]" in out and "reserve_fraction = 0.05" in out
+    assert "decode_balancer [oracle]" in out

@@ -44,7 +44,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prediction", default="true",
                    help="true (bucket of the true length) | noisy[:ACC] (right with probability ACC, default "
-                        "0.7915, the paper's accuracy) | given (the workload's own predictions) | none")
+                        "0.7915, the paper's accuracy) | predictor:SPEC (run a length predictor: majority, "
+                        "task-prior, length-only, length+task or a trained folder) | given (the workload's "
+                        "own predictions) | none")
     p.add_argument("--action-interval", type=float, default=0.02, help="router tick while holding (s)")
     p.add_argument("--data-dir", default=None, help="folder with traces/ and prompts/ (../shared/data)")
     p.add_argument("--out", "-o", default="bench-out", help="folder for bench.json and bench.png")
@@ -94,6 +96,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     specs = _split_specs(args.policies) if args.policies is not None else _default_specs(args.instances)
     if not specs:
         raise UsageError("--policies is empty")
+    if not args.prediction.startswith("predictor:"):
+        from routerd.sim.prepare import parse_prediction
+
+        parse_prediction(args.prediction)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a folder")
@@ -110,9 +116,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 0
     wl = load_workload(args.workload, rate=args.rate, limit=args.limit, n=args.n, seed=args.seed,
                        data_dir=args.data_dir)
+    requests, prediction = wl.requests, args.prediction
+    if prediction.startswith("predictor:"):
+        # A real predictor, run once per request before simulating (mode "given").
+        from routerd.model import PREDICTOR_BUCKET_EDGES
+        from routerd.predictor import assign_predictions, load_predictor
+
+        spec = prediction.partition(":")[2]
+        pred = load_predictor(spec, data_dir=args.data_dir, edges=PREDICTOR_BUCKET_EDGES)
+        requests = assign_predictions(requests, pred, edges=PREDICTOR_BUCKET_EDGES)
+        prediction = "given"
+    elif prediction == "given" and any(r.predicted_bucket is None for r in requests):
+        raise UsageError(f"--prediction given: workload {wl.name!r} carries no predictions; "
+                         "use --prediction predictor:SPEC (majority, task-prior, length-only, "
+                         "length+task or a trained model folder)")
     progress_factory = _progress_factory()
-    bench = run_bench(wl.requests, profile, args.instances, specs, workload_name=wl.name,
-                      prediction=args.prediction, seed=args.seed, action_interval_s=args.action_interval,
+    bench = run_bench(requests, profile, args.instances, specs, workload_name=wl.name,
+                      prediction=prediction, seed=args.seed, action_interval_s=args.action_interval,
                       progress_factory=progress_factory)
     print(format_table(bench))
     out.mkdir(parents=True, exist_ok=True)
@@ -183,7 +203,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.rate is not None and args.rate < 0:
         raise UsageError(f"--rate must be >= 0, got {args.rate}")
     get_profile(args.profile)
-    parse_prediction(args.prediction)
+    parse_prediction(args.prediction)  # train takes the simulator's modes only
     load_workload(args.workload, n=1, limit=1, data_dir=args.data_dir) if args.workload in (
         "public-mix", "paper-mix") else load_workload(args.workload, limit=1, data_dir=args.data_dir)
     a = Args(variant=args.variant, workload=args.workload, instances=args.instances, profile=args.profile,
@@ -220,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
     sub.add_parser("policies", help="list the routing policies with their parameters and defaults")
+    from routerd.predictor.cli import add_parser as add_predictor_parser
+
+    add_predictor_parser(sub)
     _train_parser(sub)
     return parser
 
@@ -227,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``phasewise`` console script; returns the exit code."""
     from routerd.policies.registry import PolicyError
+    from routerd.predictor import PredictorError
     from routerd.profiles import ProfileError
     from routerd.sim import PredictionError
     from routerd.workloads.errors import WorkloadError
@@ -240,8 +264,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_train(args)
         if args.command == "policies":
             return _cmd_policies(args)
-    except (UsageError, PolicyError, ProfileError, PredictionError, WorkloadError) as e:
+        if args.command == "predictor":
+            from routerd.predictor.cli import run as run_predictor
+
+            return run_predictor(args)
+    except (UsageError, PolicyError, PredictorError, ProfileError, PredictionError, WorkloadError) as e:
         print(f"phasewise: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        # An optional extra is missing (scikit-learn, torch, transformers, gymnasium).
+        print(f"phasewise: error: {args.command} needs the Python package {e.name!r}, which is not "
+              f"installed; install the extras: pip install -e '.[rl,predictor]'", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("phasewise: interrupted", file=sys.stderr)
