@@ -90,8 +90,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.instances < 1:
         raise UsageError(f"--instances must be >= 1, got {args.instances}")
-    if args.action_interval <= 0:
-        raise UsageError(f"--action-interval must be > 0, got {args.action_interval}")
+    if not (0 < args.action_interval < float("inf")):
+        raise UsageError(f"--action-interval must be a finite number of seconds > 0, got {args.action_interval}")
     profile = get_profile(args.profile)
     specs = _split_specs(args.policies) if args.policies is not None else _default_specs(args.instances)
     if not specs:

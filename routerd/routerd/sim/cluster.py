@@ -148,8 +148,8 @@ class ClusterSimulator:
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}")
-        if action_interval_s <= 0:
-            raise ValueError(f"action_interval_s must be > 0, got {action_interval_s}")
+        if not (0 < action_interval_s < math.inf):
+            raise ValueError(f"action_interval_s must be a finite number of seconds > 0, got {action_interval_s}")
         self.profile = profile
         self.policy = policy
         self.action_interval_s = action_interval_s
