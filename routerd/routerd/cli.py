@@ -276,6 +276,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"phasewise: error: {args.command} needs the Python package {e.name!r}, which is not "
               f"installed; install the extras: pip install -e '.[rl,predictor]'", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader of our output went away (e.g. `| head`): not an error worth a traceback.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("phasewise: interrupted", file=sys.stderr)
         return 130

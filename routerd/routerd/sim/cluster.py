@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from numbers import Integral
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
@@ -233,6 +234,8 @@ class ClusterSimulator:
                 self.forced_dispatches += 1
                 self._force_rr = (self._force_rr + 1) % n
                 choice = self._force_rr
+            if type(choice) is not int and isinstance(choice, Integral) and not isinstance(choice, bool):
+                choice = int(choice)  # numpy integers are fine
             if type(choice) is not int or not 0 <= choice < n:
                 raise SimulationError(
                     f"policy {self.policy.name!r} returned {choice!r} for request {r.id}; "
