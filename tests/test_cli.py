@@ -121,3 +121,39 @@ def test_policies_command_lists_parameters(capsys):
     out = capsys.readouterr().out
     assert "late_binding [default]" in out and "reserve_fraction = 0.05" in out
     assert "decode_balancer [oracle]" in out
+
+
+@pytest.mark.parametrize(
+    "profile_text, expect",
+    [
+        ("overhead_s: .inf\n", "overhead_s"),
+        ("kv_capacity_tokens: 1024\n", "cannot hold one request"),
+        ("name: [unclosed\n", "not valid YAML at line"),
+    ],
+)
+def test_bad_profile_files_exit_2(tmp_path, capsys, profile_text, expect):
+    from routerd.profiles import _profiles_dir
+
+    base = (_profiles_dir() / "llama2-7b-v100.yaml").read_text()
+    key = profile_text.split(":")[0]
+    lines = [ln for ln in base.splitlines() if not ln.startswith(key + ":")]
+    path = tmp_path / "p.yaml"
+    path.write_text(profile_text + "\n".join(lines) + "\n")
+    assert main(["bench", "--limit", "10", "--profile", str(path), "--no-plot", "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expect in err and err.count("\n") == 0
+
+
+def test_all_requests_rejected_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "long.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,5000,5\n")
+    assert main(["bench", "--workload", str(path), "--no-plot", "-o", str(tmp_path / "o")]) == 2
+    assert "rejected" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--policies", "queue_kv_scorer:queue_weight=inf"],
+                                  ["--action-interval", "1e-9"], ["--prediction", "noisy:"],
+                                  ["--prediction", "true:0.5"]])
+def test_non_finite_or_degenerate_numbers_are_refused(tmp_path, capsys, args):
+    assert main(["bench", "--limit", "10", "--no-plot", "-o", str(tmp_path)] + args) == 2
+    assert capsys.readouterr().err.startswith("phasewise: error:")

@@ -90,8 +90,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.instances < 1:
         raise UsageError(f"--instances must be >= 1, got {args.instances}")
-    if not (0 < args.action_interval < float("inf")):
-        raise UsageError(f"--action-interval must be a finite number of seconds > 0, got {args.action_interval}")
+    if not (1e-4 <= args.action_interval < float("inf")):
+        raise UsageError(f"--action-interval must be a finite number of seconds >= 1e-4, got {args.action_interval}")
     profile = get_profile(args.profile)
     specs = _split_specs(args.policies) if args.policies is not None else _default_specs(args.instances)
     if not specs:
@@ -117,6 +117,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     wl = load_workload(args.workload, rate=args.rate, limit=args.limit, n=args.n, seed=args.seed,
                        data_dir=args.data_dir)
     requests, prediction = wl.requests, args.prediction
+    fitting = sum(1 for r in requests if r.prompt_tokens < profile.max_model_len)
+    if fitting == 0:
+        raise UsageError(f"all {len(requests)} requests of {wl.name!r} are rejected: every prompt is "
+                         f">= max_model_len={profile.max_model_len} of profile {profile.name!r}")
+
     if prediction.startswith("predictor:"):
         # A real predictor, run once per request before simulating (mode "given").
         from routerd.model import PREDICTOR_BUCKET_EDGES
@@ -252,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from routerd.policies.registry import PolicyError
     from routerd.predictor import PredictorError
     from routerd.profiles import ProfileError
-    from routerd.sim import PredictionError
+    from routerd.sim import PredictionError, SimulationError
     from routerd.workloads.errors import WorkloadError
 
     parser = build_parser()
@@ -268,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from routerd.predictor.cli import run as run_predictor
 
             return run_predictor(args)
-    except (UsageError, PolicyError, PredictorError, ProfileError, PredictionError, WorkloadError) as e:
+    except (UsageError, PolicyError, PredictorError, ProfileError, PredictionError, SimulationError,
+            WorkloadError) as e:
         print(f"phasewise: error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:

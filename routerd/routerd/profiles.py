@@ -34,7 +34,7 @@ class ProfileError(ValueError):
 class HardwareProfile(BaseModel):
     """Latency model and scheduler limits of one serving instance (one model on one GPU)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str
     """Profile name, e.g. ``llama2-7b-a100``."""
@@ -80,6 +80,12 @@ class HardwareProfile(BaseModel):
         if self.kv_capacity_tokens % self.block_size:
             raise ValueError(
                 f"kv_capacity_tokens={self.kv_capacity_tokens} is not a multiple of block_size={self.block_size}"
+            )
+        if self.num_blocks < -(-self.max_model_len // self.block_size):
+            # vLLM refuses to start when one full-length request cannot fit the cache.
+            raise ValueError(
+                f"kv_capacity_tokens={self.kv_capacity_tokens} cannot hold one request of "
+                f"max_model_len={self.max_model_len} tokens"
             )
         if self.max_num_batched_tokens < self.max_num_seqs:
             # vLLM refuses this too: every running decode must fit one step's budget.
@@ -160,8 +166,13 @@ def load_profile_file(path: str | Path) -> HardwareProfile:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise ProfileError(f"{path}: cannot read profile: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"{path}: not UTF-8 text") from None
     except yaml.YAMLError as e:
-        raise ProfileError(f"{path}: not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or "syntax error"
+        raise ProfileError(f"{path}: not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ProfileError(f"{path}: a profile must be a mapping of fields")
     try:

@@ -167,7 +167,7 @@ class PolicySetupError(ValueError):
 class PolicyParams(BaseModel):
     """Base of each policy's typed parameters (unknown keys are rejected)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 class RoutingPolicy(ABC):

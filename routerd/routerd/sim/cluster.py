@@ -149,8 +149,8 @@ class ClusterSimulator:
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}")
-        if not (0 < action_interval_s < math.inf):
-            raise ValueError(f"action_interval_s must be a finite number of seconds > 0, got {action_interval_s}")
+        if not (1e-4 <= action_interval_s < math.inf):
+            raise ValueError(f"action_interval_s must be a finite number of seconds >= 1e-4, got {action_interval_s}")
         self.profile = profile
         self.policy = policy
         self.action_interval_s = action_interval_s
@@ -289,7 +289,12 @@ class ClusterSimulator:
         by arrival. This is what the RL environment steps through; :meth:`run` drives it
         with the policy.
         """
+        prev = -math.inf
         for r in requests:
+            if r.arrival_s < prev:
+                raise ValueError(f"requests must be sorted by arrival: request {r.id} arrives at "
+                                 f"{r.arrival_s} s, before its predecessor at {prev} s")
+            prev = r.arrival_s
             if r.features is None:
                 r.features = make_features(r, self._oracle)
         heap = self._heap
@@ -338,6 +343,9 @@ class ClusterSimulator:
                 yield from self._decide(now)
         if progress is not None and self.finished > reported:
             progress(self.finished - reported)
+        if self.finished != na:
+            raise SimulationError(f"{na - self.finished} of {na} requests never finished: a request "
+                                  "needs more KV blocks than the instance has")
         return ClusterRun(list(requests), self.instances, now, self.decisions, self.holds,
                           self.forced_dispatches)
 

@@ -42,9 +42,11 @@ def parse_prediction(mode: str) -> tuple[str, float]:
     Raises:
         PredictionError: unknown mode or accuracy outside (0, 1].
     """
-    kind, _, arg = mode.partition(":")
+    kind, colon, arg = mode.partition(":")
     if kind not in PREDICTION_MODES:
         raise PredictionError(f"unknown prediction mode {mode!r}; valid: {', '.join(PREDICTION_MODES)}")
+    if colon and (kind != "noisy" or not arg):
+        raise PredictionError(f"prediction mode {mode!r}: only noisy takes a value, as noisy:ACC")
     acc = 0.7915  # the paper's predictor accuracy (arXiv 2408.13510 Table 1)
     if arg:
         try:
@@ -106,6 +108,8 @@ def prepare_requests(
             if q.predicted_bucket is None:
                 raise PredictionError(f"request {q.id}: prediction mode 'given' but no predicted_bucket")
             b = q.predicted_bucket
+            if b >= n_buckets:
+                raise PredictionError(f"request {q.id}: predicted_bucket {b} is outside 0..{n_buckets - 1}")
         else:
             b = None
         pred = bucket_mid_tokens(b if b is not None else 0, edges)

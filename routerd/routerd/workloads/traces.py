@@ -69,8 +69,10 @@ def _parse_timestamp_ns(text: str) -> int:
 
 
 def _parse_count(path: object, row: int, field: str, text: str) -> int:
-    if _INT_RE.match(text) is None:
-        raise row_error(path, row, field, f"{text!r} is not an integer")
+    if _INT_RE.match(text) is None or not text.isascii() or len(text) > 18:
+        # ASCII digits only (int() would take other scripts' digits) and at most 18 of
+        # them (no real token count is longer; int() refuses > 4,300 digits anyway).
+        raise row_error(path, row, field, f"{text[:40]!r} is not an integer token count")
     value = int(text)
     if value < 1:
         raise row_error(path, row, field, f"token count must be >= 1, got {value}")
@@ -239,12 +241,15 @@ def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None) -> list[R
             raise row_error(path, row, None, "not UTF-8 text") from None
         except json.JSONDecodeError as e:
             raise row_error(path, row, None, f"invalid JSON: {e.msg} at column {e.colno}") from None
+        except ValueError as e:  # e.g. an integer of more than 4,300 digits
+            raise row_error(path, row, None, f"invalid JSON: {str(e)[:80]}") from None
         if not isinstance(obj, dict):
             raise row_error(path, row, None, f"expected a JSON object, got {type(obj).__name__}")
         if MOONCAKE_FIELDS[0] not in obj:
             raise row_error(path, row, MOONCAKE_FIELDS[0], "missing")
         ts = obj[MOONCAKE_FIELDS[0]]
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        if (isinstance(ts, bool) or not isinstance(ts, (int, float))
+                or (isinstance(ts, int) and abs(ts) > 10**15) or not math.isfinite(ts)):
             raise row_error(path, row, MOONCAKE_FIELDS[0], f"{ts!r} is not a finite number of milliseconds")
         prompt = _json_int(path, row, obj, MOONCAKE_FIELDS[1])
         output = _json_int(path, row, obj, MOONCAKE_FIELDS[2])
