@@ -184,7 +184,12 @@ class SimInstance:
         r.finish_D = self.D + (r.output - r.generated)
         heapq.heappush(self.fin_heap, (r.finish_D, r.id, r.epoch, r))
         self.dec_hist[r.hist_bin] += 1
-        heapq.heappush(self.pred_heap, (r.pred_tokens - r.generated + self.D, r.id, r.epoch, r))
+        heap = self.pred_heap
+        if len(heap) > 4 * self.n_dec + 64:
+            # Nobody has read it for a while (stale entries pile up): rebuild from the live ones.
+            heap[:] = [e for e in heap if e[2] == e[3].epoch and e[3].state == DECODE]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (r.pred_tokens - r.generated + self.D, r.id, r.epoch, r))
         self.fT_A += r.w * (r.generated - self.D)
         self.fT_W += r.w
 
