@@ -25,6 +25,7 @@ from routerd.bench import pct, run_bench
 from routerd.policies.base import PolicyContext
 from routerd.policies.registry import DEFAULT_BENCH_POLICIES, build_policy
 from routerd.profiles import get_profile
+from routerd.rl.splits import window
 from routerd.sim import ClusterSimulator, prepare_requests
 from routerd.sim.report import summarize
 from routerd.workloads.registry import load_workload
@@ -49,9 +50,7 @@ def setting(name: str, workload: str, profile_name: str, n: int, seeds: int, loa
         if workload == "azure-conv":
             # A different contiguous window of the trace per seed.
             wl = load_workload(workload, limit=n * (seed + 1), data_dir=data_dir)
-            reqs = wl.requests[n * seed:]
-            reqs = [r.model_copy(update={"id": i, "arrival_s": r.arrival_s - reqs[0].arrival_s})
-                    for i, r in enumerate(reqs)]
+            reqs = window(wl.requests, n * seed, n)
         else:
             reqs = load_workload(workload, n=n, rate=20.0, seed=seed, data_dir=data_dir).requests
         rate = load * capacity(reqs, profile, m)

@@ -199,6 +199,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except ImportError:
         raise UsageError("phasewise train needs torch: pip install -e '.[rl]'") from None
     from routerd.profiles import get_profile
+    from routerd.rl.splits import GENERATORS
     from routerd.rl.train import Args, train
     from routerd.sim.prepare import parse_prediction
     from routerd.workloads.registry import load_workload
@@ -209,8 +210,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise UsageError(f"--rate must be >= 0, got {args.rate}")
     get_profile(args.profile)
     parse_prediction(args.prediction)  # train takes the simulator's modes only
-    load_workload(args.workload, n=1, limit=1, data_dir=args.data_dir) if args.workload in (
-        "public-mix", "paper-mix") else load_workload(args.workload, limit=1, data_dir=args.data_dir)
+    # Fail on a bad workload name or missing data before any training time is spent.
+    n_check = 1 if args.workload in GENERATORS else None
+    load_workload(args.workload, n=n_check, limit=1, data_dir=args.data_dir)
     a = Args(variant=args.variant, workload=args.workload, instances=args.instances, profile=args.profile,
              episodes=args.episodes, requests_per_episode=args.requests_per_episode,
              rate=args.rate or None, prediction=args.prediction, seed=args.seed, data_dir=args.data_dir,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from functools import cache
+from typing import Sequence
 
 from routerd.model import Request
 from routerd.workloads.registry import load_workload
@@ -27,7 +28,9 @@ def _trace(name: str, data_dir: str | None) -> tuple[Request, ...]:
     return tuple(load_workload(name, data_dir=data_dir).requests)
 
 
-def _window(reqs: tuple[Request, ...], start: int, n: int, rate: float | None) -> list[Request]:
+def window(reqs: Sequence[Request], start: int, n: int, rate: float | None = None) -> list[Request]:
+    """Requests ``start..start+n`` renumbered from 0 and re-based to arrive from 0 s
+    (optionally rescaled to ``rate`` req/s)."""
     win = reqs[start:start + n]
     t0 = win[0].arrival_s
     out = [r.model_copy(update={"id": i, "arrival_s": r.arrival_s - t0}) for i, r in enumerate(win)]
@@ -58,4 +61,4 @@ def sample(name: str, part: str, index: int, n: int, rate: float | None, data_di
         span = hi - lo - n
         k = max(1, span // n + 1)
         start = lo + (index % k) * min(n, span // max(1, k - 1) if k > 1 else 0)
-    return _window(reqs, start, n, rate)
+    return window(reqs, start, n, rate)

@@ -13,7 +13,6 @@ after 2,000 warm-up steps, Huber loss, rewards scaled by 0.01, gradient norm cli
 from __future__ import annotations
 
 import copy
-import math
 import random
 import statistics
 import time
@@ -276,4 +275,3 @@ if __name__ == "__main__":  # pragma: no cover - use `phasewise train`
 
     a = Args(episodes=int(sys.argv[1]) if len(sys.argv) > 1 else 30)
     train(a)
-    _ = math

@@ -40,13 +40,13 @@ class SimInstanceView:
     """:class:`routerd.policies.base.InstanceView` of a simulated instance at one time."""
 
     __slots__ = ("index", "num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks",
-                 "block_size", "_inst", "_now", "_oracle")
+                 "block_size", "_inst", "_now", "_oracle", "_D")
 
     def __init__(self, inst: SimInstance, now: float, oracle: bool) -> None:
         self.index = inst.index
         self.num_running = len(inst.running)
         self.num_waiting = len(inst.waiting)
-        self.kv_used_blocks = inst.used_blocks_at(now)
+        self._D, self.kv_used_blocks = inst.observe(now)
         self.kv_total_blocks = inst.total_blocks
         self.block_size = inst.bs
         self._inst = inst
@@ -63,13 +63,13 @@ class SimInstanceView:
         inst = self._inst
         h = inst.dec_hist
         return LoadSummary(len(inst.waiting) + inst.n_prefill, (h[0], h[1], h[2]),
-                           inst.min_predicted_remaining(inst.decode_iters_at(self._now)),
+                           inst.min_predicted_remaining(self._D),
                            inst.n_res, inst.sum_pd)
 
     def residents(self) -> list[ResidentRequest]:
         """Running requests (admission order) then waiting ones, as the router sees them."""
         inst = self._inst
-        D = inst.decode_iters_at(self._now)
+        D = self._D
         out: list[ResidentRequest] = []
         for group in (inst.running, inst.waiting):
             for r in group:

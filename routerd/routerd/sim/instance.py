@@ -29,13 +29,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import Callable, Literal
 
 from routerd.profiles import HardwareProfile
 from routerd.sim.request import DECODE, DONE, PREFILL, WAITING, SimRequest
-
-if TYPE_CHECKING:
-    pass
 
 AdmissionGate = Literal["full", "chunk"]
 
@@ -458,6 +455,13 @@ class SimInstance:
         self._schedule_event(self.seg_end, self)
 
     # ------------------------------------------------------------------ observation
+    def observe(self, t: float) -> tuple[int, int]:
+        """``(decode_iters_at(t), used_blocks_at(t))``, locating ``t`` in the segment once."""
+        if self.busy and self.seg_decode_only:
+            j = self._iters_done(t)
+            return self.D + j, self.total_blocks - self.free_blocks + self._allocs(j)
+        return self.D, self.total_blocks - self.free_blocks
+
     def decode_iters_at(self, t: float) -> int:
         """Decode-iteration counter ``D`` as of time ``t`` (inside the current segment)."""
         if self.busy and self.seg_decode_only:
