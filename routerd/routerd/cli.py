@@ -7,6 +7,7 @@ on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -251,7 +252,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_predictor_parser(sub)
     _train_parser(sub)
+    for module in _DATA_PLANE_COMMANDS.values():
+        importlib.import_module(module).add_parser(sub)
     return parser
+
+
+#: Data-plane commands: each module has ``add_parser(sub)`` and ``run(args) -> int``
+#: and raises :class:`routerd.errors.ConfigError` for bad input (one line, exit 2).
+_DATA_PLANE_COMMANDS = {
+    "serve": "routerd.daemon.cli",
+    "sidecar": "routerd.sidecar.cli",
+    "emulate": "routerd.emulator.cli",
+    "profile": "routerd.profiler.cli",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -260,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from routerd.predictor import PredictorError
     from routerd.profiles import ProfileError
     from routerd.sim import PredictionError, SimulationError
+    from routerd.errors import ConfigError
     from routerd.workloads.errors import WorkloadError
 
     parser = build_parser()
@@ -275,7 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from routerd.predictor.cli import run as run_predictor
 
             return run_predictor(args)
-    except (UsageError, PolicyError, PredictorError, ProfileError, PredictionError, SimulationError,
+        if args.command in _DATA_PLANE_COMMANDS:
+            return importlib.import_module(_DATA_PLANE_COMMANDS[args.command]).run(args)
+    except (UsageError, ConfigError, PolicyError, PredictorError, ProfileError, PredictionError, SimulationError,
             WorkloadError) as e:
         print(f"phasewise: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of proto/phasewise/v1 (see routerd.api.codegen)."""
