@@ -1,0 +1,1 @@
+"""routerd: the routing daemon (OpenAI-compatible HTTP proxy and gRPC router API)."""
