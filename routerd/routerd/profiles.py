@@ -183,16 +183,23 @@ def load_profile_file(path: str | Path) -> HardwareProfile:
         raise ProfileError(f"{path}: field {loc}: {err['msg']}") from None
 
 
-@cache
 def get_profile(name_or_path: str) -> HardwareProfile:
     """A shipped profile by name, or a profile YAML file by path.
+
+    Shipped profiles are read once and cached; a path is read on every call, so a
+    profile file rewritten in place (a routerd reload after a profile job) is seen.
 
     Raises:
         ProfileError: unknown name (the message lists the valid ones) or invalid file.
     """
     if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
         return load_profile_file(name_or_path)
-    path = _profiles_dir() / f"{name_or_path}.yaml"
+    return _shipped_profile(name_or_path)
+
+
+@cache
+def _shipped_profile(name: str) -> HardwareProfile:
+    path = _profiles_dir() / f"{name}.yaml"
     if not path.exists():
-        raise ProfileError(f"unknown profile {name_or_path!r}; valid: {', '.join(profile_names())}")
+        raise ProfileError(f"unknown profile {name!r}; valid: {', '.join(profile_names())}")
     return load_profile_file(path)

@@ -107,6 +107,9 @@ class SimInstance:
         self.fT_A = 0.0  # reward: sum of w_j * (gen_base_j - dec_base_j) over decoding ones
         self.fT_W = 0.0  # reward: sum of w_j over decoding ones
 
+        # Requests whose client went away while they were in the step in flight (see abort()).
+        self._aborting: list[SimRequest] = []
+
         # Counters for reports and views.
         self.preemptions = 0
         self.iterations = 0
@@ -291,6 +294,8 @@ class SimInstance:
             blocks = self._held_blocks(r)
             self._stop_decode(r)
             self._finish(r, now, blocks)
+        if self._aborting:
+            self._drop_aborted()
         self._schedule(now)
 
     def _finish(self, r: SimRequest, now: float, blocks: int) -> None:
@@ -453,6 +458,85 @@ class SimInstance:
         self.seg_end = now + self._elapsed(K)
         self.version += 1
         self._schedule_event(self.seg_end, self)
+
+    # ------------------------------------------------------------------ real-time driving
+    def iteration_end_time(self, j: int) -> float:
+        """End time (s) of the ``j``-th iteration (1-based, ``j <= seg_K``) of the step or segment in flight.
+
+        A real-time driver (the emulator) emits each decode token at the end of its
+        iteration; inside a decode segment, decoding request ``r`` has then generated
+        ``generated_at(r, D + j)`` tokens.
+        """
+        return self.seg_t0 + self._elapsed(j)
+
+    def iterations_done_at(self, t: float) -> int:
+        """Iterations of the step or segment in flight that have ended by time ``t`` (0..``seg_K``).
+
+        The same test :meth:`enqueue` and :meth:`abort` use to cut a segment, so a driver
+        that emits tokens with it never gets ahead of a cut.
+        """
+        return self._iters_done(t)
+
+    def abort(self, r: SimRequest, now: float) -> None:
+        """Drop resident request ``r`` at ``now`` (its client went away); frees its KV blocks.
+
+        As in vLLM, an abort takes effect between engine steps: a waiting request (or
+        any request while the instance is idle) is removed at once; a request in the
+        step in flight is removed when that step ends (a long decode segment is cut
+        after the iteration in flight), so the step's timing stays what was scheduled.
+        ``r`` ends in state ``DONE`` with ``finish_s`` unset (-1) and ``on_finish`` is not
+        called. Aborting a finished or already aborted request does nothing.
+        """
+        if r.state == DONE or r in self._aborting:
+            return
+        if r.state == WAITING:
+            self.waiting.remove(r)
+            self._release(r, 0)
+            self.start(now)  # the head may have been blocking the rest
+            return
+        if not self.busy:
+            self._aborting.append(r)
+            self._drop_aborted()
+            self.start(now)
+            return
+        self._aborting.append(r)
+        if self.seg_K > 1:
+            j = self._iters_done(now) + 1
+            if j < self.seg_K:
+                self.seg_K = j
+                self.seg_end = self.seg_t0 + self._elapsed(j)
+                self.version += 1
+                self._schedule_event(self.seg_end, self)
+
+    def _drop_aborted(self) -> None:
+        """Remove the requests of :meth:`abort` at a step boundary (before scheduling)."""
+        for r in self._aborting:
+            if r.state == DONE:
+                continue  # it finished in the step that was in flight
+            if r.state == DECODE:
+                blocks = self._held_blocks(r)
+                self._stop_decode(r)
+                self.running.remove(r)
+            elif r.state == PREFILL:
+                blocks = r.blocks
+                self.n_prefill -= 1
+                self.fT_static -= r.generated * r.w
+                self.running.remove(r)
+            else:
+                blocks = 0
+                self.waiting.remove(r)
+            self._release(r, blocks)
+        self._aborting.clear()
+
+    def _release(self, r: SimRequest, blocks: int) -> None:
+        if r.state == WAITING:
+            self.fT_static -= r.generated * r.w
+        r.state = DONE
+        self.free_blocks += blocks
+        r.blocks = 0
+        self.n_res -= 1
+        self.sum_pd -= r.prompt + r.pred_tokens
+        self.inv_T_sum -= r.inv_T
 
     # ------------------------------------------------------------------ observation
     def observe(self, t: float) -> tuple[int, int]:

@@ -1,0 +1,263 @@
+"""routerd's overhead beside direct calls, in one run: throughput, p50 TTFT/E2E and CPU per request.
+
+The issue-#5 setting: 128 concurrent streaming completions, 64-token replies at 5 ms per
+token after a 20 ms first token, two backends. The backends and the load generator
+are lean raw-asyncio programs (this file, ``backend`` and ``load`` modes) so that on a
+2-core machine they leave the CPU to what is measured. Each run first loads the two
+backends directly (clients split evenly), then through ``python -m routerd.daemon``
+(round robin), and reports:
+
+- throughput (completed requests/s) and routerd's share of the direct figure;
+- p50 and p99 TTFT (request sent -> first ``data:`` byte) and E2E (-> last byte);
+- routerd's CPU time per request (user + system from ``/proc/PID/stat`` over the load
+  phase, divided by the requests completed in it).
+
+Usage: python benchmarks/routerd_overhead.py [--seconds 15] [--concurrency 128] [--tokens 64]
+       [--policy round_robin] [--event-loop auto|asyncio|uvloop]
+Targets: >= 95% of direct throughput, <= 3 ms added to p50 TTFT and E2E, <= 1.5 ms CPU/request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+EVENT = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+         b'"text":"tok ","logprobs":null,"finish_reason":null}]}\n\n')
+
+
+class _Backend(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection of the fake instance: SSE, one event per token."""
+
+    ttft_s = 0.02
+    token_s = 0.005
+
+    def connection_made(self, tr):
+        self.tr = tr
+        self.buf = b""
+        self.busy = False
+        self.loop = asyncio.get_running_loop()
+
+    def data_received(self, data):
+        self.buf += data
+        self._next()
+
+    def _next(self):
+        if self.busy:
+            return
+        i = self.buf.find(b"\r\n\r\n")
+        if i < 0:
+            return
+        length = 0
+        for line in self.buf[:i].split(b"\r\n")[1:]:
+            k, _, v = line.partition(b":")
+            if k.strip().lower() == b"content-length":
+                length = int(v)
+        if len(self.buf) < i + 4 + length:
+            return
+        body = json.loads(self.buf[i + 4:i + 4 + length])
+        self.buf = self.buf[i + 4 + length:]
+        self.busy = True
+        self.left = int(body.get("max_tokens") or 64)
+        self.tr.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        self.loop.call_later(self.ttft_s, self._token)
+
+    def _token(self):
+        if self.tr.is_closing():
+            return
+        self.left -= 1
+        ev = EVENT + (b"data: [DONE]\n\n" if self.left == 0 else b"")
+        self.tr.write(b"%x\r\n%s\r\n" % (len(ev), ev))
+        if self.left:
+            self.loop.call_later(self.token_s, self._token)
+        else:
+            self.tr.write(b"0\r\n\r\n")
+            self.busy = False
+            self._next()
+
+
+class _Client(asyncio.Protocol):
+    def __init__(self):
+        self.waiter = None
+        self.buf = bytearray()
+        self.t_first = None
+
+    def connection_made(self, tr):
+        self.tr = tr
+
+    def data_received(self, data):
+        self.buf += data
+        if self.t_first is None and b"data:" in self.buf:
+            self.t_first = time.perf_counter()
+        if self.buf.endswith(b"0\r\n\r\n") and self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def connection_lost(self, exc):
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError("connection lost"))
+
+
+async def _worker(port, body, start, deadline, out):
+    loop = asyncio.get_running_loop()
+    tr, pr = await loop.create_connection(_Client, "127.0.0.1", port)
+    req = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+           f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    while time.perf_counter() < deadline:
+        pr.buf, pr.t_first, pr.waiter = bytearray(), None, loop.create_future()
+        t0 = time.perf_counter()
+        tr.write(req)
+        await pr.waiter
+        if b" 200 " not in pr.buf[:16]:
+            raise RuntimeError(f"bad answer: {bytes(pr.buf[:200])!r}")
+        out.append((t0, pr.t_first - t0, time.perf_counter() - t0))
+    tr.close()
+
+
+async def _load(ports, conc, seconds, warmup, tokens):
+    body = json.dumps({"model": "m", "prompt": "hello world " * 20, "max_tokens": tokens, "stream": True}).encode()
+    out: list[tuple[float, float, float]] = []
+    start = time.perf_counter()
+    t_measure = start + warmup
+    deadline = t_measure + seconds
+    await asyncio.gather(*[_worker(ports[i % len(ports)], body, start, deadline, out) for i in range(conc)])
+    return [x for x in out if x[0] >= t_measure and x[0] + x[2] <= deadline], len(out)
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _cpu_s(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid``."""
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(parts[11]) / tck, int(parts[12]) / tck
+
+
+def _new_loop():
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
+def run_backend(port: int) -> None:
+    loop = _new_loop()
+    asyncio.set_event_loop(loop)
+    loop.run_until_complete(loop.create_server(_Backend, "127.0.0.1", port, backlog=1024))
+    loop.run_forever()
+
+
+def run_load(ports: list[int], conc: int, seconds: float, warmup: float, tokens: int, pid: int | None) -> dict:
+    loop = _new_loop()
+    asyncio.set_event_loop(loop)
+    c0 = _cpu_s(pid) if pid else (0.0, 0.0)
+    res, total = loop.run_until_complete(_load(ports, conc, seconds, warmup, tokens))
+    out = {"requests": len(res), "rps": len(res) / seconds,
+           "ttft_p50_ms": 1e3 * _pct([x[1] for x in res], 0.5), "ttft_p99_ms": 1e3 * _pct([x[1] for x in res], 0.99),
+           "e2e_p50_ms": 1e3 * _pct([x[2] for x in res], 0.5), "e2e_p99_ms": 1e3 * _pct([x[2] for x in res], 0.99)}
+    if pid:
+        # CPU over the whole run (warm-up included) per request completed in the whole run.
+        u, s = _cpu_s(pid)
+        out["user_ms_per_request"] = 1e3 * (u - c0[0]) / max(1, total)
+        out["sys_ms_per_request"] = 1e3 * (s - c0[1]) / max(1, total)
+        out["cpu_ms_per_request"] = out["user_ms_per_request"] + out["sys_ms_per_request"]
+    return out
+
+
+def _free_ports(n):
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _wait_port(port, timeout=20.0):
+    import socket
+
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--policy", default="round_robin")
+    ap.add_argument("--event-loop", default="auto", choices=["auto", "asyncio", "uvloop"])
+    ap.add_argument("--mode", default="main", choices=["main", "backend", "load"], help=argparse.SUPPRESS)
+    ap.add_argument("--ports", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.mode == "backend":
+        run_backend(int(a.ports))
+        return
+    if a.mode == "load":
+        print(json.dumps(run_load([int(p) for p in a.ports.split(",")], a.concurrency, a.seconds, a.warmup,
+                                  a.tokens, a.pid or None)))
+        return
+    py = sys.executable
+    me = str(Path(__file__).resolve())
+    b1, b2, rp = _free_ports(3)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "routerd") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([py, me, "--mode", "backend", "--ports", str(p)]) for p in (b1, b2)]
+    try:
+        for p in (b1, b2):
+            _wait_port(p)
+        load = [py, me, "--mode", "load", "--concurrency", str(a.concurrency), "--seconds", str(a.seconds),
+                "--warmup", str(a.warmup), "--tokens", str(a.tokens)]
+        direct = json.loads(subprocess.check_output(load + ["--ports", f"{b1},{b2}"]))
+        router = subprocess.Popen(
+            [py, "-m", "routerd.daemon", "--host", "127.0.0.1", "--port", str(rp), "--no-grpc", "--model", "m",
+             "--policy", a.policy, "--log-level", "warning",
+             "--endpoint", f"a=http://127.0.0.1:{b1}", "--endpoint", f"b=http://127.0.0.1:{b2}"],
+            env={**env, "PHASEWISE_EVENT_LOOP": a.event_loop, "PHASEWISE_RELOAD__WATCH": "false"})
+        procs.append(router)
+        _wait_port(rp)
+        via = json.loads(subprocess.check_output(load + ["--ports", str(rp), "--pid", str(router.pid)]))
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+    cpu_ms = via["cpu_ms_per_request"]
+    print(f"setting: {a.concurrency} concurrent streams, {a.tokens} tokens at 5 ms after 20 ms, 2 backends, "
+          f"{a.seconds:g} s (+{a.warmup:g} s warm-up), policy {a.policy}, event loop {a.event_loop}")
+    print(f"{'':8s} {'req/s':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'E2E p50':>9s} {'E2E p99':>9s}  (ms)")
+    for name, r in (("direct", direct), ("routerd", via)):
+        print(f"{name:8s} {r['rps']:8.1f} {r['ttft_p50_ms']:9.2f} {r['ttft_p99_ms']:9.2f} {r['e2e_p50_ms']:9.2f} "
+              f"{r['e2e_p99_ms']:9.2f}")
+    print(f"throughput kept {100 * via['rps'] / direct['rps']:.1f}%  "
+          f"added p50 TTFT {via['ttft_p50_ms'] - direct['ttft_p50_ms']:+.2f} ms  "
+          f"added p50 E2E {via['e2e_p50_ms'] - direct['e2e_p50_ms']:+.2f} ms  "
+          f"routerd CPU {cpu_ms:.2f} ms/request (user {via['user_ms_per_request']:.2f}, "
+          f"system {via['sys_ms_per_request']:.2f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,566 @@
+"""Desired Kubernetes objects of a pool, as plain dicts: pure functions, no API calls.
+
+For a pool ``P`` in namespace ``N`` the operator owns (every object has ``P`` as its
+controller owner reference, so deleting the pool deletes them):
+
+===========================  ========================================================
+``P-engine`` Deployment      vLLM (or ``phasewise emulate`` when emulated) and the
+                             ``phasewise sidecar`` beside it, ``spec.engine.replicas``
+``P-engine`` Service         headless; ports named ``http`` and ``state``, which
+                             routerd's EndpointSlice watcher looks for
+``P-routerd`` ConfigMap      ``routerd.yaml`` (routerd's :class:`~routerd.daemon.config.Settings`),
+                             ``profile.yaml`` for an inline profile, and the DQN
+                             checkpoint (``checkpoint-model.safetensors``,
+                             ``checkpoint-metadata.json``)
+``P-routerd`` Deployment     ``phasewise serve --config /etc/phasewise/routerd.yaml``
+``P-routerd`` Service        the OpenAI API clients call (type and port from the spec)
+``P-routerd`` ServiceAccount with a Role and RoleBinding to get/list/watch EndpointSlices
+===========================  ========================================================
+
+routerd reloads ``routerd.yaml`` when the file changes (policy, its parameters and
+checkpoint, profile, predictor, models, router and state settings), and the kubelet swaps all keys of one
+ConfigMap volume at once, so those changes reach routerd without a restart. Only the
+settings routerd reads at start (:data:`RESTART_KEYS`) are hashed into the routerd pod
+template's ``phasewise.io/restart-hash`` annotation, which rolls the pods when they change.
+
+Every pod meets the restricted Pod Security Standard: non-root, read-only root file
+system (emptyDirs for ``/tmp`` and caches), no capabilities, RuntimeDefault seccomp, no
+privilege escalation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import yaml
+
+from phasewise_operator.gen_crds import API_VERSION
+from phasewise_operator.settings import OperatorSettings
+from phasewise_operator.spec import PoolSpec, Resources, resolve_profile
+
+# ---------------------------------------------------------------- names and labels
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_POOL = "phasewise.io/pool"
+LABEL_JOB = "phasewise.io/job"
+MANAGED_BY = "phasewise-operator"
+
+ANNOTATION_RESTART_HASH = "phasewise.io/restart-hash"
+ANNOTATION_PROFILE_HASH = "phasewise.io/profile-hash"
+ANNOTATION_CONFIG_HASH = "phasewise.io/config-hash"
+
+CONFIG_DIR = "/etc/phasewise"
+CONFIG_FILE = f"{CONFIG_DIR}/routerd.yaml"
+PROFILE_FILE = f"{CONFIG_DIR}/profile.yaml"
+CHECKPOINT_DIR = f"{CONFIG_DIR}/checkpoint"
+PREDICTOR_DIR = "/var/lib/phasewise/predictor"
+
+KEY_CONFIG = "routerd.yaml"
+KEY_PROFILE = "profile.yaml"
+KEY_CKPT_MODEL = "checkpoint-model.safetensors"
+KEY_CKPT_META = "checkpoint-metadata.json"
+
+ROUTERD_HTTP_PORT = 8000
+ROUTERD_GRPC_PORT = 50051
+UID = 65532
+"""User and group every container runs as (the images' ``phasewise`` user; any non-root id works)."""
+
+RESTART_KEYS = ("http", "grpc", "event_loop", "kubernetes", "reload", "log_level")
+"""Top-level routerd settings it reads only at start (``Daemon.reload`` warns about http, grpc and
+event_loop; the EndpointSlice watcher, the reload watcher and logging are set up once).
+Their hash rolls the routerd pods; every other setting is reloaded in place."""
+
+ROUTERD_DRAIN_S = 30.0
+
+_SIDECAR_DEFAULT_RESOURCES = {"requests": {"cpu": "50m", "memory": "96Mi"}, "limits": {"memory": "256Mi"}}
+_ROUTERD_DEFAULT_RESOURCES = {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+_EMULATOR_DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+
+
+@dataclass(frozen=True)
+class PoolRef:
+    """The identity of a pool object: what owner references and names need."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int = 1
+
+
+def engine_name(pool: str) -> str:
+    """Deployment and headless Service of the serving instances."""
+    return f"{pool}-engine"
+
+
+def routerd_name(pool: str) -> str:
+    """routerd's Deployment, Service, ConfigMap, ServiceAccount, Role and RoleBinding."""
+    return f"{pool}-routerd"
+
+
+def labels(pool: str, component: str) -> dict[str, str]:
+    """Labels of every child object (and of its pods)."""
+    return {
+        LABEL_NAME: "phasewise",
+        LABEL_INSTANCE: pool,
+        LABEL_COMPONENT: component,
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_PART_OF: "phasewise",
+        LABEL_POOL: pool,
+    }
+
+
+def selector(pool: str, component: str) -> dict[str, str]:
+    """The pod selector of a component (a subset of :func:`labels`, immutable once created)."""
+    return {LABEL_POOL: pool, LABEL_COMPONENT: component}
+
+
+def selector_string(pool: str, component: str) -> str:
+    """:func:`selector` as a label-selector string (the scale subresource's ``status.selector``)."""
+    return ",".join(f"{k}={v}" for k, v in selector(pool, component).items())
+
+
+def owner_reference(pool: PoolRef, kind: str = "LLMRouterPool") -> dict[str, Any]:
+    """A controller owner reference: garbage collection deletes the child with the owner."""
+    return {"apiVersion": API_VERSION, "kind": kind, "name": pool.name, "uid": pool.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(pool: PoolRef, name: str, component: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "namespace": pool.namespace, "labels": labels(pool.name, component),
+            "ownerReferences": [owner_reference(pool)], **extra}
+
+
+def short_hash(data: Any) -> str:
+    """First 16 hex digits of the SHA-256 of ``data`` (canonical JSON, or the bytes/str itself)."""
+    if isinstance(data, str):
+        raw = data.encode()
+    elif isinstance(data, bytes):
+        raw = data
+    else:
+        raw = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- security
+
+def pod_security_context() -> dict[str, Any]:
+    """Pod-level part of the restricted Pod Security Standard."""
+    return {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict[str, Any]:
+    """Container-level part of the restricted Pod Security Standard, with a read-only root file system."""
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _resources(res: Resources, default: Mapping[str, Any]) -> dict[str, Any]:
+    given = res.k8s()
+    return given if given else json.loads(json.dumps(default))
+
+
+# ---------------------------------------------------------------- routerd settings
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A DQN checkpoint's two files, as read from its ConfigMap."""
+
+    config_map: str
+    model_b64: str
+    """``model.safetensors``, base64 (ConfigMap ``binaryData``)."""
+    metadata_json: str
+
+    @property
+    def digest(self) -> str:
+        """Content hash (shows in routerd.yaml, so the file changes when only the checkpoint does)."""
+        return short_hash(self.model_b64 + "\n" + self.metadata_json)
+
+
+def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | None = None) -> dict[str, Any]:
+    """routerd's settings for the pool: what :class:`routerd.daemon.config.Settings` validates.
+
+    Endpoints come from the EndpointSlices of the engine Service (ports ``http`` and
+    ``state``); the profile is a shipped name or :data:`PROFILE_FILE`; policy ``dqn``
+    loads its checkpoint from :data:`CHECKPOINT_DIR`.
+
+    Raises:
+        SpecError: an unknown profile or an invalid inline profile (from :func:`resolve_profile`).
+    """
+    resolve_profile(spec, pool_name=pool.name)  # raises SpecError naming the field
+    params = dict(spec.routing.params)
+    if spec.routing.policy == "dqn":
+        params["checkpoint"] = CHECKPOINT_DIR
+    if spec.predictor is None:
+        predictor = "none"
+    elif spec.predictor.name is not None:
+        predictor = spec.predictor.name
+    else:
+        sub = spec.predictor.persistent_volume_claim.path.strip("/")  # type: ignore[union-attr]
+        predictor = f"{PREDICTOR_DIR}/{sub}" if sub else PREDICTOR_DIR
+    # The sidecar must refresh a snapshot well within state.max_age_s, or every instance
+    # looks stale and routerd routes on its own bookkeeping only.
+    max_age = max(2.0, 4 * spec.sidecar.interval_seconds)
+    return {
+        "http": {"host": "0.0.0.0", "port": ROUTERD_HTTP_PORT},
+        "grpc": {"host": "0.0.0.0", "port": ROUTERD_GRPC_PORT},
+        "models": [spec.model.served],
+        "kubernetes": {"enabled": True, "namespace": pool.namespace, "service": engine_name(pool.name),
+                       "http_port_name": "http", "state_port_name": "state"},
+        "policy": {"name": spec.routing.policy, "params": params},
+        "profile": spec.hardware_profile.name if spec.hardware_profile.name is not None else PROFILE_FILE,
+        "predictor": predictor,
+        "router": {"queue_limit": spec.routing.queue_limit,
+                   "action_interval_s": spec.routing.action_interval_seconds},
+        "state": {"max_age_s": max_age},
+        "drain_timeout_s": ROUTERD_DRAIN_S,
+        "reload": {"watch": True, "poll_interval_s": 1.0},
+        "log_level": spec.routerd.log_level,
+    }
+
+
+def render_settings(settings: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> str:
+    """``routerd.yaml``: the settings as YAML, headed by a comment naming the checkpoint content.
+
+    The comment makes the file differ whenever the checkpoint does, so routerd's reload
+    (on a file change) also picks up a new checkpoint under the same path.
+    """
+    head = "# Rendered by the phasewise operator from the LLMRouterPool; edits are overwritten.\n"
+    if checkpoint is not None:
+        head += f"# checkpoint: ConfigMap {checkpoint.config_map}, content {checkpoint.digest}\n"
+    return head + yaml.safe_dump(dict(settings), sort_keys=False)
+
+
+def restart_hash(settings: Mapping[str, Any]) -> str:
+    """Hash of the settings routerd reads only at start (:data:`RESTART_KEYS`)."""
+    return short_hash({k: settings.get(k) for k in RESTART_KEYS})
+
+
+def profile_yaml(pool: PoolRef, spec: PoolSpec) -> str:
+    """The pool's resolved hardware profile as a routerd profile file (snake_case, ``load_profile_file``)."""
+    prof = resolve_profile(spec, pool_name=pool.name)
+    return yaml.safe_dump(prof.model_dump(), sort_keys=False)
+
+
+# ---------------------------------------------------------------- ConfigMap
+
+def routerd_configmap(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | None = None) -> dict[str, Any]:
+    """``P-routerd``: routerd.yaml, profile.yaml (always: the emulators read it too) and the checkpoint."""
+    settings = routerd_settings(pool, spec, checkpoint=checkpoint)
+    data = {KEY_CONFIG: render_settings(settings, checkpoint), KEY_PROFILE: profile_yaml(pool, spec)}
+    cm: dict[str, Any] = {"apiVersion": "v1", "kind": "ConfigMap",
+                          "metadata": _meta(pool, routerd_name(pool.name), "routerd"), "data": data}
+    if checkpoint is not None:
+        data[KEY_CKPT_META] = checkpoint.metadata_json
+        cm["binaryData"] = {KEY_CKPT_MODEL: checkpoint.model_b64}
+    return cm
+
+
+def _config_volume(with_checkpoint: bool, only_profile: bool = False) -> dict[str, Any]:
+    items = [{"key": KEY_PROFILE, "path": KEY_PROFILE}]
+    if not only_profile:
+        items.insert(0, {"key": KEY_CONFIG, "path": KEY_CONFIG})
+        if with_checkpoint:
+            items += [{"key": KEY_CKPT_MODEL, "path": "checkpoint/model.safetensors"},
+                      {"key": KEY_CKPT_META, "path": "checkpoint/metadata.json"}]
+    return {"name": "config", "configMap": {"name": "", "items": items, "optional": not only_profile}}
+
+
+# ---------------------------------------------------------------- engine
+
+def _env(pairs: Mapping[str, str]) -> list[dict[str, Any]]:
+    return [{"name": k, "value": v} for k, v in pairs.items()]
+
+
+_POD_ENV = [
+    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+]
+
+
+def vllm_container(spec: PoolSpec, settings: OperatorSettings) -> dict[str, Any]:
+    """The vLLM container: ``vllm serve MODEL --served-model-name NAME --port PORT`` plus ``engine.args``.
+
+    vLLM writes caches under HOME, HF_HOME, the Triton and TorchInductor cache dirs and
+    needs a user name (``getpass.getuser``), which an arbitrary non-root UID lacks in
+    /etc/passwd: every such path points into the ``cache`` volume and ``USER`` is set.
+    """
+    e = spec.engine
+    hf_home = "/models" if e.model_cache_claim else "/cache/huggingface"
+    fixed_env = {
+        "HOME": "/cache", "USER": "phasewise", "HF_HOME": hf_home, "XDG_CACHE_HOME": "/cache/xdg",
+        "XDG_CONFIG_HOME": "/cache/config", "VLLM_CACHE_ROOT": "/cache/vllm", "VLLM_CONFIG_ROOT": "/cache/config/vllm",
+        "TRITON_CACHE_DIR": "/cache/triton", "TORCHINDUCTOR_CACHE_DIR": "/cache/torchinductor",
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+    }
+    user_env = [v.model_dump(by_alias=True, exclude_none=True) for v in e.env]
+    user_names = {v["name"] for v in user_env}
+    env = [v for v in _env(fixed_env) if v["name"] not in user_names] + user_env
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": "/cache"},
+              {"name": "dshm", "mountPath": "/dev/shm"}]
+    if e.model_cache_claim:
+        mounts.append({"name": "models", "mountPath": "/models"})
+    probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
+    return {
+        "name": "vllm",
+        "image": e.image or settings.vllm_image,
+        "imagePullPolicy": e.image_pull_policy or settings.image_pull_policy,
+        "command": ["vllm", "serve"],
+        "args": [spec.model.name, "--served-model-name", spec.model.served, "--host", "0.0.0.0",
+                 "--port", str(e.port), *e.args],
+        "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}],
+        "env": env,
+        "resources": e.resources.k8s(),
+        "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": max(1, math.ceil(e.startup_seconds / 10))},
+        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+        "volumeMounts": mounts,
+        "securityContext": container_security_context(),
+    }
+
+
+def emulator_container(spec: PoolSpec, settings: OperatorSettings) -> dict[str, Any]:
+    """``phasewise emulate``: the OpenAI API and vLLM-named /metrics, timed by the pool's profile."""
+    e = spec.engine
+    probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
+    return {
+        "name": "emulator",
+        "image": spec.routerd.image or settings.routerd_image,
+        "imagePullPolicy": spec.routerd.image_pull_policy or settings.image_pull_policy,
+        "command": ["phasewise", "emulate"],
+        "args": ["--host", "0.0.0.0", "--port", str(e.port), "--profile", PROFILE_FILE,
+                 "--model", spec.model.served],
+        "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"},
+                *[v.model_dump(by_alias=True, exclude_none=True) for v in e.env]],
+        "resources": _resources(e.resources, _EMULATOR_DEFAULT_RESOURCES),
+        "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 3},
+        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "securityContext": container_security_context(),
+    }
+
+
+def sidecar_container(spec: PoolSpec, settings: OperatorSettings) -> dict[str, Any]:
+    """``phasewise sidecar``: scrapes the engine's /metrics on loopback, serves its state over gRPC (port ``state``)."""
+    e, s = spec.engine, spec.sidecar
+    return {
+        "name": "sidecar",
+        "image": spec.routerd.image or settings.routerd_image,
+        "imagePullPolicy": spec.routerd.image_pull_policy or settings.image_pull_policy,
+        "command": ["phasewise", "sidecar"],
+        "args": ["--metrics-url", f"http://127.0.0.1:{e.port}/metrics", "--listen", f"0.0.0.0:{s.port}",
+                 "--instance", "$(POD_NAME)", "--interval", f"{s.interval_seconds:g}"],
+        "ports": [{"name": "state", "containerPort": s.port, "protocol": "TCP"}],
+        "env": [*_POD_ENV, {"name": "HOME", "value": "/tmp"}],
+        "resources": _resources(s.resources, _SIDECAR_DEFAULT_RESOURCES),
+        # gRPC health (grpc.health.v1) of the sidecar itself, not of the engine: a sidecar
+        # that cannot scrape stays up and reports the instance unhealthy to routerd.
+        "readinessProbe": {"grpc": {"port": s.port}, "periodSeconds": 5, "timeoutSeconds": 3},
+        "livenessProbe": {"grpc": {"port": s.port}, "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 6},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": container_security_context(),
+    }
+
+
+def engine_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings) -> dict[str, Any]:
+    """``P-engine``: one serving instance per replica, each with its sidecar."""
+    e = spec.engine
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
+    annotations: dict[str, str] = {}
+    if spec.emulated:
+        main = emulator_container(spec, settings)
+        vol = _config_volume(False, only_profile=True)
+        vol["configMap"]["name"] = routerd_name(pool.name)
+        volumes.append(vol)
+        # The emulated hardware is the pool's profile: a new profile restarts the emulators.
+        annotations[ANNOTATION_PROFILE_HASH] = short_hash(profile_yaml(pool, spec))
+    else:
+        main = vllm_container(spec, settings)
+        volumes += [{"name": "cache", "emptyDir": {}},
+                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": e.shared_memory}}]
+        if e.model_cache_claim:
+            volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": e.model_cache_claim}})
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
+        "containers": [main, sidecar_container(spec, settings)],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": 30 if spec.emulated else 60,
+    }
+    if e.node_selector:
+        pod_spec["nodeSelector"] = dict(e.node_selector)
+    if e.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in e.tolerations]
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
+    template_meta: dict[str, Any] = {"labels": labels(pool.name, "engine")}
+    if annotations:
+        template_meta["annotations"] = annotations
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(pool, engine_name(pool.name), "engine"),
+        "spec": {
+            "replicas": e.replicas,
+            "selector": {"matchLabels": selector(pool.name, "engine")},
+            # A GPU node rarely has room for a surge pod: replace one instance at a time.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0 if not spec.emulated else 1,
+                                                                   "maxUnavailable": 1}},
+            "template": {"metadata": template_meta, "spec": pod_spec},
+        },
+    }
+
+
+def engine_service(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
+    """``P-engine``: headless; its EndpointSlices list every instance with ports ``http`` and ``state``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(pool, engine_name(pool.name), "engine"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(pool.name, "engine"),
+            "publishNotReadyAddresses": False,
+            "ports": [
+                {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP",
+                 "appProtocol": "http"},
+                {"name": "state", "port": spec.sidecar.port, "targetPort": "state", "protocol": "TCP",
+                 "appProtocol": "kubernetes.io/h2c"},
+            ],
+        },
+    }
+
+
+# ---------------------------------------------------------------- routerd
+
+def routerd_rbac(pool: PoolRef) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding: routerd may get, list and watch EndpointSlices, nothing else."""
+    name = routerd_name(pool.name)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(pool, name, "routerd"),
+         "automountServiceAccountToken": False},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(pool, name, "routerd"),
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(pool, name, "routerd"),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}]},
+    ]
+
+
+def routerd_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings, *,
+                       checkpoint: Checkpoint | None = None) -> dict[str, Any]:
+    """``P-routerd``: ``phasewise serve`` reading the ConfigMap, with the EndpointSlice RBAC's token."""
+    r = spec.routerd
+    rs = routerd_settings(pool, spec, checkpoint=checkpoint)
+    vol = _config_volume(True)
+    vol["configMap"]["name"] = routerd_name(pool.name)
+    volumes: list[dict[str, Any]] = [vol, {"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, {"name": "tmp", "mountPath": "/tmp"}]
+    if spec.predictor is not None and spec.predictor.persistent_volume_claim is not None:
+        volumes.append({"name": "predictor", "persistentVolumeClaim": {
+            "claimName": spec.predictor.persistent_volume_claim.claim_name, "readOnly": True}})
+        mounts.append({"name": "predictor", "mountPath": PREDICTOR_DIR, "readOnly": True})
+    container = {
+        "name": "routerd",
+        "image": r.image or settings.routerd_image,
+        "imagePullPolicy": r.image_pull_policy or settings.image_pull_policy,
+        "command": ["phasewise", "serve"],
+        "args": ["--config", CONFIG_FILE],
+        "ports": [{"name": "http", "containerPort": ROUTERD_HTTP_PORT, "protocol": "TCP"},
+                  {"name": "grpc", "containerPort": ROUTERD_GRPC_PORT, "protocol": "TCP"}],
+        "env": [*_POD_ENV, {"name": "HOME", "value": "/tmp"}],
+        "resources": _resources(r.resources, _ROUTERD_DEFAULT_RESOURCES),
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2, "timeoutSeconds": 2,
+                           "failureThreshold": 2},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 3,
+                          "failureThreshold": 6},
+        "volumeMounts": mounts,
+        "securityContext": container_security_context(),
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": routerd_name(pool.name),
+        "automountServiceAccountToken": True,
+        "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
+        "containers": [container],
+        "volumes": volumes,
+        # routerd drains queued and in-flight requests for drain_timeout_s after SIGTERM.
+        "terminationGracePeriodSeconds": int(ROUTERD_DRAIN_S) + 15,
+    }
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(pool, routerd_name(pool.name), "routerd"),
+        "spec": {
+            "replicas": r.replicas,
+            "selector": {"matchLabels": selector(pool.name, "routerd")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": labels(pool.name, "routerd"),
+                             "annotations": {ANNOTATION_RESTART_HASH: restart_hash(rs)}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def routerd_service(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
+    """``P-routerd``: the OpenAI API (port ``spec.routerd.service.port``) and routerd's gRPC API (50051)."""
+    svc = spec.routerd.service
+    http_port: dict[str, Any] = {"name": "http", "port": svc.port, "targetPort": "http", "protocol": "TCP",
+                                 "appProtocol": "http"}
+    if svc.node_port is not None:
+        http_port["nodePort"] = svc.node_port
+    meta = _meta(pool, routerd_name(pool.name), "routerd")
+    if svc.annotations:
+        meta["annotations"] = dict(svc.annotations)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "type": svc.type,
+            "selector": selector(pool.name, "routerd"),
+            "ports": [http_port,
+                      {"name": "grpc", "port": ROUTERD_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
+                       "appProtocol": "kubernetes.io/h2c"}],
+        },
+    }
+
+
+def router_url(pool: PoolRef, spec: PoolSpec) -> str:
+    """In-cluster base URL of the pool's OpenAI API."""
+    port = spec.routerd.service.port
+    suffix = "" if port == 80 else f":{port}"
+    return f"http://{routerd_name(pool.name)}.{pool.namespace}.svc{suffix}"
+
+
+def pool_children(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings, *,
+                  checkpoint: Checkpoint | None = None) -> list[dict[str, Any]]:
+    """Every object the pool owns, in apply order (RBAC and config before the pods that use them).
+
+    Raises:
+        SpecError: the profile cannot be resolved (naming the field).
+    """
+    return [
+        *routerd_rbac(pool),
+        routerd_configmap(pool, spec, checkpoint=checkpoint),
+        engine_service(pool, spec),
+        engine_deployment(pool, spec, settings),
+        routerd_service(pool, spec),
+        routerd_deployment(pool, spec, settings, checkpoint=checkpoint),
+    ]

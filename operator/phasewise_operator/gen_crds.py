@@ -1,0 +1,592 @@
+"""The CustomResourceDefinitions of ``phasewise.io/v1alpha1``, generated from routerd's registries.
+
+The enums of policy names, shipped profile names, predictor baselines and DQN reward
+variants come from routerd itself, so the API server rejects a name that routerd would
+reject. Write the YAML files (``crds/`` and the Helm chart's copy)::
+
+    PYTHONPATH=routerd:operator python -m phasewise_operator.gen_crds          # write
+    PYTHONPATH=routerd:operator python -m phasewise_operator.gen_crds --check  # exit 1 if stale
+
+Cross-field rules are CEL (``x-kubernetes-validations``); each names its field with
+``fieldPath`` so ``kubectl apply`` says which field is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+GROUP = "phasewise.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+#: Pool names are used in child names (``<pool>-routerd``: a Service name, a DNS-1035 label
+#: of at most 63 characters), so a pool name has room for the longest suffix.
+POOL_NAME_MAX = 55
+#: Job names become batch Job names and the ``batch.kubernetes.io/job-name`` label (63).
+JOB_NAME_MAX = 52
+
+DEFAULT_POLICY = "late_binding"
+"""The default routing policy: the best mean E2E without a tail penalty in docs/results.md."""
+DEFAULT_PROFILE = "llama2-7b-v100"
+"""The default hardware profile, as ``phasewise bench``."""
+
+_QUANTITY = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+    "x-kubernetes-int-or-string": True,
+}
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+# ---------------------------------------------------------------- registries from routerd
+
+def policy_names() -> list[str]:
+    """Policies a live router can run: every registered one except the oracles.
+
+    Oracle policies read true output lengths, which only the simulator has.
+    """
+    from routerd.policies.registry import POLICIES
+
+    return [name for name, cls in POLICIES.items() if not cls.oracle]
+
+
+def profile_names() -> list[str]:
+    """Shipped hardware profiles (``routerd/data/profiles/*.yaml``)."""
+    from routerd.profiles import profile_names as names
+
+    return names()
+
+
+def predictor_baselines() -> list[str]:
+    """Predictor baselines routerd fits at start (``routerd.predictor.BASELINE_NAMES``)."""
+    from routerd.predictor.assign import BASELINE_NAMES
+
+    return list(BASELINE_NAMES)
+
+
+def reward_variants() -> list[str]:
+    """DQN reward variants of ``phasewise train --variant``."""
+    from routerd.rl.reward import REWARD_VARIANTS
+
+    return list(REWARD_VARIANTS)
+
+
+# ---------------------------------------------------------------- schema helpers
+
+def _s(desc: str, **kw: Any) -> dict[str, Any]:
+    return {"type": "string", "description": desc, **kw}
+
+
+def _i(desc: str, **kw: Any) -> dict[str, Any]:
+    return {"type": "integer", "description": desc, **kw}
+
+
+def _n(desc: str, **kw: Any) -> dict[str, Any]:
+    return {"type": "number", "description": desc, **kw}
+
+
+def _b(desc: str, **kw: Any) -> dict[str, Any]:
+    return {"type": "boolean", "description": desc, **kw}
+
+
+def _o(desc: str, props: dict[str, Any], required: list[str] | None = None, **kw: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "object", "description": desc, "properties": props}
+    if required:
+        out["required"] = required
+    out.update(kw)
+    return out
+
+
+def _rule(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
+    out = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    if reason:
+        out["reason"] = reason
+    return out
+
+
+def _name_schema(max_len: int, why: str) -> dict[str, Any]:
+    """``metadata`` at the root: the one place a CRD may restrict (the name), here to a DNS-1035 label."""
+    return {"type": "object", "properties": {"name": {
+        "type": "string", "maxLength": max_len, "pattern": "^[a-z]([-a-z0-9]*[a-z0-9])?$",
+        "description": f"A DNS-1035 label of at most {max_len} characters ({why})."}}}
+
+
+def _resources(desc: str) -> dict[str, Any]:
+    quantities = {"type": "object", "additionalProperties": dict(_QUANTITY)}
+    return _o(desc, {
+        "limits": {**quantities, "description": "Most of each resource the container may use."},
+        "requests": {**quantities, "description": "Resources reserved for the container."},
+    })
+
+
+def _image(desc: str) -> dict[str, Any]:
+    return _s(desc, minLength=1, maxLength=512)
+
+
+_PULL_POLICY = _s("Image pull policy.", enum=["Always", "IfNotPresent", "Never"])
+
+_ENV = {
+    "type": "array",
+    "description": "Environment variables of the container (Kubernetes EnvVar, e.g. HF_TOKEN from a Secret).",
+    "maxItems": 64,
+    "items": _o("One variable.", {
+        "name": _s("Variable name.", minLength=1, maxLength=256),
+        "value": _s("Value."),
+        "valueFrom": {"type": "object", "description": "Source of the value (Kubernetes EnvVarSource).",
+                      "x-kubernetes-preserve-unknown-fields": True},
+    }, required=["name"]),
+}
+
+_TOLERATIONS = {
+    "type": "array",
+    "description": "Tolerations of the pods (e.g. for tainted GPU nodes).",
+    "maxItems": 32,
+    "items": _o("One toleration (Kubernetes Toleration).", {
+        "key": _s("Taint key."),
+        "operator": _s("Exists or Equal.", enum=["Exists", "Equal"]),
+        "value": _s("Taint value."),
+        "effect": _s("Taint effect.", enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
+        "tolerationSeconds": _i("How long a NoExecute taint is tolerated (s).", format="int64"),
+    }),
+}
+
+_NODE_SELECTOR = {"type": "object", "description": "Node labels the pods must run on.",
+                  "additionalProperties": {"type": "string"}}
+
+
+def _condition_list(desc: str) -> dict[str, Any]:
+    return {
+        "type": "array",
+        "description": desc,
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["type"],
+        "items": _o("A condition (metav1.Condition).", {
+            "type": _s("Condition type.", maxLength=316),
+            "status": _s("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+            "reason": _s("CamelCase reason.", maxLength=1024),
+            "message": _s("What happened, naming the field when the spec is at fault.", maxLength=32768),
+            "lastTransitionTime": _s("When the status last changed.", format="date-time"),
+            "observedGeneration": _i("The .metadata.generation the condition was set for.", format="int64",
+                                     minimum=0),
+        }, required=["type", "status", "lastTransitionTime", "reason", "message"]),
+    }
+
+
+# ---------------------------------------------------------------- LLMRouterPool
+
+def inline_profile_schema(desc: str) -> dict[str, Any]:
+    """An inline hardware profile (also a profile job's result): routerd's HardwareProfile in camelCase.
+
+    grad1, grad2, overheadS and kvCapacityTokens are required; every other term comes
+    from the shipped profile ``basedOn`` unless given.
+    """
+    pos = {"exclusiveMinimum": True, "minimum": 0}
+    return _o(desc, {
+        "basedOn": _s("Shipped profile that supplies every term not given here.", enum=profile_names(),
+                      default=DEFAULT_PROFILE),
+        "description": _s("What hardware and model this profile describes.", maxLength=1024),
+        "grad1": _n("Mixing estimator: prefill time per prompt token (s/token), paper §5.2.", **pos),
+        "grad2": _n("Mixing estimator: decode-side gradient, paper §5.2.", **pos),
+        "overheadS": _n("Fixed cost of every engine iteration (s).", minimum=0),
+        "kvCapacityTokens": _i("KV-cache capacity of one instance (tokens), a multiple of blockSize.",
+                               minimum=1, format="int64"),
+        "prefillPerTokenS": _n("Cost per prefill token in a batch (s/token).", minimum=0),
+        "prefillAttnS": _n("Prefill attention cost per chunk token times attended tokens (s/token^2).",
+                           minimum=0),
+        "decodePerSeqS": _n("Cost per decoding request in a batch (s/request).", minimum=0),
+        "decodePerCtxTokenS": _n("Cost per resident context token of the decoding requests (s/token).",
+                                 minimum=0),
+        "blockSize": _i("KV-cache block size (tokens).", minimum=1),
+        "maxNumSeqs": _i("vLLM max_num_seqs: most requests running at once.", minimum=1),
+        "maxNumBatchedTokens": _i("vLLM max_num_batched_tokens: token budget of one iteration.", minimum=1),
+        "chunkedPrefill": _b("Whether a prefill may be split across iterations."),
+        "maxModelLen": _i("Longest prompt + output of a request (tokens).", minimum=1),
+        "decodeTokenTimeS": _n("Average decode iteration time under load (s).", **pos),
+        "heavyPrefillS": _n("Prefill time at or above which a prompt is heavy (s), paper §4.2.", **pos),
+        "heavyDecodeS": _n("Decode time at or above which a response is heavy (s), paper §4.2.", **pos),
+    }, required=["grad1", "grad2", "overheadS", "kvCapacityTokens"])
+
+
+def pool_spec_schema() -> dict[str, Any]:
+    """OpenAPI schema of ``LLMRouterPool.spec``."""
+    engine = _o("The serving instances: vLLM (or the emulator when emulated) with a state sidecar each.", {
+        "image": _image("vLLM image (default: the operator's vllmImage setting). Ignored when emulated."),
+        "imagePullPolicy": _PULL_POLICY,
+        "args": {"type": "array", "maxItems": 128, "items": {"type": "string", "maxLength": 4096},
+                 "description": "Extra vLLM arguments, after the model, served name and port "
+                                "(e.g. --max-model-len, --tensor-parallel-size). Not allowed when emulated."},
+        "env": _ENV,
+        "resources": _resources("Resources of the vLLM (or emulator) container, e.g. limits nvidia.com/gpu: 1."),
+        "replicas": _i("Number of serving instances (the scale subresource).", minimum=0, maximum=10000,
+                       default=1),
+        "port": _i("Container port of the OpenAI API (the Service port named http).", minimum=1, maximum=65535,
+                   default=8000),
+        "modelCacheClaim": _s("PersistentVolumeClaim mounted as the Hugging Face cache (HF_HOME). "
+                              "Default: an emptyDir, so each pod downloads the model.",
+                              maxLength=253, pattern=_DNS_SUBDOMAIN),
+        "sharedMemory": {**_QUANTITY, "description": "Size of /dev/shm (memory-backed emptyDir), used by "
+                         "tensor-parallel workers.", "default": "1Gi"},
+        "startupSeconds": _i("How long an instance may take to load the model before it is restarted (s).",
+                             minimum=10, maximum=86400, default=1800),
+        "nodeSelector": _NODE_SELECTOR,
+        "tolerations": _TOLERATIONS,
+    }, default={})
+    sidecar = _o("The instance-state sidecar beside each engine container (phasewise sidecar).", {
+        "port": _i("gRPC port of the sidecar (the Service port named state).", minimum=1, maximum=65535,
+                   default=50051),
+        "intervalSeconds": _n("Seconds between two scrapes of the engine's /metrics.", minimum=0.01,
+                              maximum=3600, default=0.25),
+        "resources": _resources("Resources of the sidecar container."),
+    }, default={})
+    profile = _o("Hardware profile of one instance: a shipped profile by name, or an inline profile.", {
+        "name": _s("A shipped profile.", enum=profile_names()),
+        "inline": inline_profile_schema("An inline profile (a profile job writes its fit here)."),
+    }, default={"name": DEFAULT_PROFILE}, **{"x-kubernetes-validations": [
+        _rule("has(self.name) != has(self.inline)",
+              "set exactly one of hardwareProfile.name (a shipped profile) or hardwareProfile.inline",
+              reason="FieldValueInvalid"),
+    ]})
+    routing = _o("How routerd routes.", {
+        "policy": _s("Routing policy (phasewise policies lists them; oracles are simulator-only).",
+                     enum=policy_names(), default=DEFAULT_POLICY),
+        "params": {"type": "object", "description": "Policy parameters by name (phasewise policies lists "
+                   "them); checked by the operator against the policy's own model.",
+                   "maxProperties": 64,
+                   "additionalProperties": {"x-kubernetes-preserve-unknown-fields": True}},
+        "actionIntervalSeconds": _n("Router tick while requests are held in its queue (s).", minimum=0.0001,
+                                    maximum=60, default=0.02),
+        "queueLimit": _i("Most requests held in the router queue; more get HTTP 429.", minimum=1,
+                         maximum=1000000, default=1024),
+        "checkpoint": _o("The DQN checkpoint for policy dqn: a ConfigMap with model.safetensors "
+                         "(binaryData) and metadata.json, as a train job writes it. routerd reloads it "
+                         "without a restart.", {
+                             "configMap": _s("ConfigMap name in the pool's namespace.", minLength=1,
+                                             maxLength=253, pattern=_DNS_SUBDOMAIN),
+                         }, required=["configMap"]),
+    }, default={}, **{"x-kubernetes-validations": [
+        _rule("!has(self.policy) || self.policy != 'dqn' || has(self.checkpoint)",
+              "policy dqn needs routing.checkpoint (a ConfigMap written by a train LLMRouterJob)",
+              field_path=".checkpoint", reason="FieldValueRequired"),
+    ]})
+    predictor = _o("Response-length predictor routerd uses for the decode bucket (default: none).", {
+        "name": _s("A predictor baseline fitted at routerd start.", enum=predictor_baselines()),
+        "persistentVolumeClaim": _o("A trained predictor folder (phasewise predictor train) on a volume.", {
+            "claimName": _s("PersistentVolumeClaim name (ReadOnlyMany for several routerd replicas).",
+                            minLength=1, maxLength=253, pattern=_DNS_SUBDOMAIN),
+            "path": _s("Folder inside the volume.", maxLength=1024, pattern=r"^[^/].*$|^$", default=""),
+        }, required=["claimName"]),
+    }, **{"x-kubernetes-validations": [
+        _rule("has(self.name) != has(self.persistentVolumeClaim)",
+              "set exactly one of predictor.name or predictor.persistentVolumeClaim", reason="FieldValueInvalid"),
+    ]})
+    routerd = _o("The routerd deployment in front of the instances.", {
+        "replicas": _i("routerd replicas.", minimum=0, maximum=100, default=1),
+        "image": _image("routerd image (default: the operator's routerdImage setting)."),
+        "imagePullPolicy": _PULL_POLICY,
+        "resources": _resources("Resources of the routerd container."),
+        "logLevel": _s("routerd log level.", enum=["debug", "info", "warning", "error"], default="info"),
+        "service": _o("The Service clients call (OpenAI API).", {
+            "type": _s("Service type.", enum=["ClusterIP", "NodePort", "LoadBalancer"], default="ClusterIP"),
+            "port": _i("Service port of the OpenAI API.", minimum=1, maximum=65535, default=80),
+            "nodePort": _i("Node port when type is NodePort or LoadBalancer.", minimum=30000, maximum=32767),
+            "annotations": {"type": "object", "description": "Annotations of the Service (e.g. for a cloud "
+                            "load balancer).", "additionalProperties": {"type": "string"}},
+        }, default={}, **{"x-kubernetes-validations": [
+            _rule("!has(self.nodePort) || self.type != 'ClusterIP'", "nodePort needs type NodePort or "
+                  "LoadBalancer", field_path=".nodePort", reason="FieldValueForbidden"),
+        ]}),
+    }, default={})
+    gpu_free = ("!has(self.engine) || !has(self.engine.resources) || "
+                "((!has(self.engine.resources.limits) || !('nvidia.com/gpu' in self.engine.resources.limits)) && "
+                "(!has(self.engine.resources.requests) || !('nvidia.com/gpu' in self.engine.resources.requests)))")
+    return _o("Desired state of the pool.", {
+        "model": _o("The model every instance serves.", {
+            "name": _s("Model to load (Hugging Face id or path; vLLM --model).", minLength=1, maxLength=1024),
+            "servedModelName": _s("Name clients send as \"model\" (default: name).", minLength=1, maxLength=1024),
+        }, required=["name"]),
+        "engine": engine,
+        "sidecar": sidecar,
+        "hardwareProfile": profile,
+        "routing": routing,
+        "predictor": predictor,
+        "routerd": routerd,
+        "emulated": _b("Run phasewise emulate (timing from the hardware profile) instead of vLLM, on "
+                       "clusters without GPUs.", default=False),
+        "imagePullSecrets": {"type": "array", "maxItems": 16, "description": "Secrets for pulling the images.",
+                             "items": _o("A Secret reference.", {"name": _s("Secret name.", maxLength=253)},
+                                         required=["name"])},
+    }, required=["model"], **{"x-kubernetes-validations": [
+        _rule(f"!self.emulated || {gpu_free}",
+              "an emulated pool must not request nvidia.com/gpu (spec.engine.resources)",
+              field_path=".engine.resources", reason="FieldValueForbidden"),
+        _rule("!self.emulated || !has(self.engine) || !has(self.engine.args) || size(self.engine.args) == 0",
+              "engine.args are vLLM arguments; an emulated pool must not set them",
+              field_path=".engine.args", reason="FieldValueForbidden"),
+        _rule("!has(self.engine) || !has(self.sidecar) || !has(self.engine.port) || !has(self.sidecar.port) || "
+              "self.engine.port != self.sidecar.port",
+              "engine.port and sidecar.port must differ", field_path=".sidecar.port", reason="FieldValueInvalid"),
+    ]})
+
+
+def pool_status_schema() -> dict[str, Any]:
+    """OpenAPI schema of ``LLMRouterPool.status`` (written by the operator only)."""
+    return _o("Observed state of the pool.", {
+        "observedGeneration": _i("The .metadata.generation the status describes.", format="int64"),
+        "conditions": _condition_list("Ready, Progressing and Degraded."),
+        "replicas": _i("Engine pods that exist (the scale subresource's status replicas)."),
+        "readyInstances": _i("Engine pods that are ready (from the engine Deployment)."),
+        "selector": _s("Label selector of the engine pods (the scale subresource's selector)."),
+        "endpoints": {"type": "array", "maxItems": 512, "description": "Engine endpoints routerd sees (from "
+                      "the engine Service's EndpointSlices; at most 512 listed).",
+                      "items": _o("One instance.", {
+                          "name": _s("Pod name."),
+                          "url": _s("OpenAI-compatible base URL."),
+                          "stateAddress": _s("host:port of the state sidecar."),
+                          "ready": _b("Whether it receives new requests."),
+                      })},
+        "routerURL": _s("In-cluster URL of the routerd Service (OpenAI API)."),
+        "activePolicy": _s("Routing policy routerd was configured with."),
+        "activeProfile": _s("Hardware profile routerd was configured with: a shipped name, or "
+                            "inline(<basedOn>)."),
+        "activeCheckpoint": _s("ConfigMap of the DQN checkpoint routerd was configured with (empty: none)."),
+        "configHash": _s("SHA-256 (first 16 hex digits) of the rendered routerd ConfigMap."),
+    })
+
+
+def pool_crd() -> dict[str, Any]:
+    """The ``llmrouterpools.phasewise.io`` CRD."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"llmrouterpools.{GROUP}",
+                     "labels": {"app.kubernetes.io/name": "phasewise", "app.kubernetes.io/part-of": "phasewise"}},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": "LLMRouterPool", "listKind": "LLMRouterPoolList", "plural": "llmrouterpools",
+                      "singular": "llmrouterpool", "shortNames": ["lrp", "llmpool"], "categories": ["phasewise"]},
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {
+                    "status": {},
+                    "scale": {"specReplicasPath": ".spec.engine.replicas",
+                              "statusReplicasPath": ".status.replicas",
+                              "labelSelectorPath": ".status.selector"},
+                },
+                "additionalPrinterColumns": [
+                    {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+                    {"name": "Policy", "type": "string", "jsonPath": ".spec.routing.policy"},
+                    {"name": "Profile", "type": "string", "jsonPath": ".status.activeProfile"},
+                    {"name": "Replicas", "type": "integer", "jsonPath": ".spec.engine.replicas"},
+                    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyInstances"},
+                    {"name": "Status", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"},
+                    {"name": "Reason", "type": "string", "priority": 1,
+                     "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason"},
+                    {"name": "Emulated", "type": "boolean", "priority": 1, "jsonPath": ".spec.emulated"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "A pool of vLLM instances (or emulators) with routerd in front of them.",
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": _name_schema(POOL_NAME_MAX, "its Services are named <pool>-routerd and "
+                                                 "<pool>-engine"),
+                        "spec": pool_spec_schema(),
+                        "status": pool_status_schema(),
+                    },
+                    "required": ["spec"],
+                }},
+            }],
+        },
+    }
+
+
+# ---------------------------------------------------------------- LLMRouterJob
+
+def job_spec_schema() -> dict[str, Any]:
+    """OpenAPI schema of ``LLMRouterJob.spec`` (immutable once created)."""
+    return _o("What the job does. Immutable: create a new job to run again.", {
+        "poolRef": _o("The pool this job profiles or trains for (same namespace).", {
+            "name": _s("LLMRouterPool name.", minLength=1, maxLength=253, pattern=_DNS_SUBDOMAIN),
+        }, required=["name"]),
+        "task": _s("profile: fit the pool's hardware profile against one of its instances; "
+                   "train: train a DQN router for the pool.", enum=["profile", "train"]),
+        "apply": _b("Write the result into the pool (profile: spec.hardwareProfile.inline; "
+                    "train: spec.routing.checkpoint).", default=True),
+        "image": _image("Image of the work container (default: the operator's routerdImage setting for "
+                        "profile, trainerImage for train)."),
+        "imagePullPolicy": _PULL_POLICY,
+        "resources": _resources("Resources of the work container."),
+        "backoffLimit": _i("Retries of the batch Job.", minimum=0, maximum=10, default=0),
+        "activeDeadlineSeconds": _i("Time limit of the batch Job (s).", minimum=1, maximum=604800,
+                                    default=7200, format="int64"),
+        "profile": _o("Parameters of task profile (phasewise profile).", {
+            "instance": _s("Engine pod to profile (default: the first ready one).", maxLength=253),
+            "args": {"type": "array", "maxItems": 64, "items": {"type": "string", "maxLength": 1024},
+                     "description": "Extra arguments of phasewise profile."},
+        }),
+        "train": _o("Parameters of task train (phasewise train).", {
+            "variant": _s("Reward variant.", enum=reward_variants(), default="workload-guided"),
+            "workload": _s("Training workload (a generator name, or a trace path in the image).",
+                           minLength=1, maxLength=1024, default="public-mix"),
+            "episodes": _i("Training episodes.", minimum=1, maximum=100000, default=30),
+            "requestsPerEpisode": _i("Requests per episode.", minimum=1, maximum=10000000, default=1000),
+            "rate": _n("Episode arrival rate (req/s); 0 keeps a trace's rate.", minimum=0),
+            "prediction": _s("Prediction mode of the simulator (true, noisy[:ACC], given, none).",
+                             maxLength=64, default="true"),
+            "seed": _i("Random seed.", minimum=0, default=0, format="int64"),
+            "args": {"type": "array", "maxItems": 64, "items": {"type": "string", "maxLength": 1024},
+                     "description": "Extra arguments of phasewise train."},
+        }),
+    }, required=["poolRef", "task"], **{"x-kubernetes-validations": [
+        _rule("self == oldSelf", "spec is immutable; create a new LLMRouterJob", reason="FieldValueForbidden"),
+        _rule("self.task == 'profile' || !has(self.profile)", "profile parameters need task profile",
+              field_path=".profile", reason="FieldValueForbidden"),
+        _rule("self.task == 'train' || !has(self.train)", "train parameters need task train",
+              field_path=".train", reason="FieldValueForbidden"),
+    ]})
+
+
+def job_status_schema() -> dict[str, Any]:
+    """OpenAPI schema of ``LLMRouterJob.status``."""
+    return _o("Observed state of the job.", {
+        "observedGeneration": _i("The .metadata.generation the status describes.", format="int64"),
+        "phase": _s("Pending (waiting for the pool or an instance), Running, Succeeded or Failed.",
+                    enum=["Pending", "Running", "Succeeded", "Failed"]),
+        "jobName": _s("Name of the batch Job."),
+        "target": _s("What the job ran against (profile: the instance's URL)."),
+        "startTime": _s("When the batch Job started.", format="date-time"),
+        "completionTime": _s("When the batch Job finished (succeeded or failed).", format="date-time"),
+        "message": _s("Why the job is pending or failed, naming the field or object at fault."),
+        "conditions": _condition_list("Complete and Failed."),
+        "results": _o("What the job produced.", {
+            "configMap": _s("ConfigMap the job's reporter wrote its raw output to."),
+            "profile": inline_profile_schema("The fitted hardware profile (task profile)."),
+            "fit": {"type": "object", "description": "Fit figures the profiler reported (e.g. residuals).",
+                    "x-kubernetes-preserve-unknown-fields": True},
+            "checkpoint": _o("The trained checkpoint (task train).", {
+                "configMap": _s("ConfigMap with model.safetensors and metadata.json, owned by the pool."),
+                "evaluation": {"type": "object", "description": "Held-out figures against round robin from "
+                               "the checkpoint's metadata.json.", "x-kubernetes-preserve-unknown-fields": True},
+            }),
+            "appliedToPool": _b("Whether the result was written into the pool's spec."),
+        }),
+    })
+
+
+def job_crd() -> dict[str, Any]:
+    """The ``llmrouterjobs.phasewise.io`` CRD."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"llmrouterjobs.{GROUP}",
+                     "labels": {"app.kubernetes.io/name": "phasewise", "app.kubernetes.io/part-of": "phasewise"}},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": "LLMRouterJob", "listKind": "LLMRouterJobList", "plural": "llmrouterjobs",
+                      "singular": "llmrouterjob", "shortNames": ["lrj", "llmjob"], "categories": ["phasewise"]},
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [
+                    {"name": "Pool", "type": "string", "jsonPath": ".spec.poolRef.name"},
+                    {"name": "Task", "type": "string", "jsonPath": ".spec.task"},
+                    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                    {"name": "Applied", "type": "boolean", "jsonPath": ".status.results.appliedToPool"},
+                    {"name": "Message", "type": "string", "priority": 1, "jsonPath": ".status.message"},
+                    {"name": "Completed", "type": "date", "jsonPath": ".status.completionTime"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "A one-off task for a pool: fit its hardware profile, or train its DQN router.",
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": _name_schema(JOB_NAME_MAX, "it names a batch Job and <job>-result"),
+                        "spec": job_spec_schema(),
+                        "status": job_status_schema(),
+                    },
+                    "required": ["spec"],
+                }},
+            }],
+        },
+    }
+
+
+# ---------------------------------------------------------------- files
+
+CRDS = {"llmrouterpools.yaml": pool_crd, "llmrouterjobs.yaml": job_crd}
+
+_HEADER = ("# Generated by operator/phasewise_operator/gen_crds.py from routerd's registries; do not edit.\n"
+           "# Regenerate: PYTHONPATH=routerd:operator python -m phasewise_operator.gen_crds\n")
+
+
+def render(crd: dict[str, Any]) -> str:
+    """One CRD as YAML, with the generated-file header."""
+    return _HEADER + yaml.safe_dump(crd, sort_keys=False, width=120, allow_unicode=True)
+
+
+def render_chart_template(crd: dict[str, Any]) -> str:
+    """One CRD as a Helm template: installed and upgraded with the release while crds.install is true.
+
+    ``helm.sh/resource-policy: keep`` leaves the CRD (and so every pool) in place on
+    ``helm uninstall``.
+    """
+    body = yaml.safe_dump(crd, sort_keys=False, width=120, allow_unicode=True)
+    body = body.replace("  labels:\n", "  annotations:\n    helm.sh/resource-policy: keep\n  labels:\n", 1)
+    return ("{{- /* Generated by operator/phasewise_operator/gen_crds.py from routerd's registries; "
+            "do not edit. */}}\n{{- if .Values.crds.install }}\n" + body + "{{- end }}\n")
+
+
+def targets(root: Path) -> dict[Path, str]:
+    """Every generated file under the repository ``root`` with its content."""
+    out: dict[Path, str] = {}
+    for fname, build in CRDS.items():
+        crd = build()
+        out[root / "crds" / fname] = render(crd)
+        out[root / "charts" / "phasewise" / "templates" / "crds" / fname] = render_chart_template(crd)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the CRD files, or with ``--check`` report stale ones (exit 1)."""
+    parser = argparse.ArgumentParser(prog="gen_crds", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a generated file is missing or stale")
+    parser.add_argument("--root", default=str(Path(__file__).resolve().parents[2]), help="repository root")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in targets(Path(args.root)).items():
+        current = path.read_text(encoding="utf-8") if path.exists() else None
+        if current == text:
+            continue
+        if args.check:
+            stale.append(str(path))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}")
+    if stale:
+        print("stale generated CRDs (run python -m phasewise_operator.gen_crds): " + ", ".join(stale),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

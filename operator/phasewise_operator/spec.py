@@ -1,0 +1,422 @@
+"""Typed views of the ``LLMRouterPool`` and ``LLMRouterJob`` specs, and the checks the schema cannot make.
+
+The models mirror the CRD schemas of :mod:`phasewise_operator.gen_crds` field for field
+(camelCase on the wire, snake_case here; a test walks both). The API server has already
+applied the schema and its defaults; these models repeat the defaults so a spec read
+from a test or from an older stored object means the same thing.
+
+:func:`check_pool` makes the checks that need routerd itself (a policy's parameter
+model, a merged inline profile's limits) and raises :class:`SpecError` naming the field,
+e.g. ``spec.routing.params.reserve_fraction: Input should be less than 1``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from phasewise_operator.gen_crds import DEFAULT_POLICY, DEFAULT_PROFILE
+
+Quantity = int | str
+
+
+class SpecError(ValueError):
+    """A spec the operator cannot act on; ``field`` is its path, e.g. ``spec.routing.policy``.
+
+    Retrying cannot help: only a change of the spec can.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class _Spec(BaseModel):
+    # extra="ignore": the API server prunes unknown fields anyway, and an operator older
+    # than its CRD must keep working on fields it does not know yet.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore",
+                              allow_inf_nan=False)
+
+    def wire(self) -> dict[str, Any]:
+        """The camelCase dict, without unset optional fields (as the API server stores it)."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class ModelSpec(_Spec):
+    name: str = Field(min_length=1)
+    """Model vLLM loads (Hugging Face id or path)."""
+    served_model_name: str | None = None
+    """Name clients send as ``model``; None = ``name``."""
+
+    @property
+    def served(self) -> str:
+        """The name clients use."""
+        return self.served_model_name or self.name
+
+
+class EnvVar(_Spec):
+    name: str
+    value: str | None = None
+    value_from: dict[str, Any] | None = None
+
+
+class Toleration(_Spec):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class Resources(_Spec):
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+
+    def requests_gpu(self) -> bool:
+        """Whether limits or requests name ``nvidia.com/gpu``."""
+        return "nvidia.com/gpu" in self.limits or "nvidia.com/gpu" in self.requests
+
+    def k8s(self) -> dict[str, Any]:
+        """The Kubernetes ResourceRequirements (empty parts left out)."""
+        return {k: dict(v) for k, v in (("limits", self.limits), ("requests", self.requests)) if v}
+
+
+class EngineSpec(_Spec):
+    image: str | None = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    args: list[str] = Field(default_factory=list)
+    env: list[EnvVar] = Field(default_factory=list)
+    resources: Resources = Field(default_factory=Resources)
+    replicas: int = Field(default=1, ge=0)
+    port: int = Field(default=8000, ge=1, le=65535)
+    model_cache_claim: str | None = None
+    shared_memory: Quantity = "1Gi"
+    startup_seconds: int = Field(default=1800, ge=10)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+
+
+class SidecarSpec(_Spec):
+    port: int = Field(default=50051, ge=1, le=65535)
+    interval_seconds: float = Field(default=0.25, gt=0)
+    resources: Resources = Field(default_factory=Resources)
+
+
+class InlineProfile(_Spec):
+    """routerd's :class:`~routerd.profiles.HardwareProfile` terms in camelCase; unset ones come from ``based_on``."""
+
+    based_on: str = DEFAULT_PROFILE
+    description: str | None = None
+    grad1: float = Field(gt=0)
+    grad2: float = Field(gt=0)
+    overhead_s: float = Field(ge=0)
+    kv_capacity_tokens: int = Field(gt=0)
+    prefill_per_token_s: float | None = Field(default=None, ge=0)
+    prefill_attn_s: float | None = Field(default=None, ge=0)
+    decode_per_seq_s: float | None = Field(default=None, ge=0)
+    decode_per_ctx_token_s: float | None = Field(default=None, ge=0)
+    block_size: int | None = Field(default=None, gt=0)
+    max_num_seqs: int | None = Field(default=None, gt=0)
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
+    chunked_prefill: bool | None = None
+    max_model_len: int | None = Field(default=None, gt=0)
+    decode_token_time_s: float | None = Field(default=None, gt=0)
+    heavy_prefill_s: float | None = Field(default=None, gt=0)
+    heavy_decode_s: float | None = Field(default=None, gt=0)
+
+    def terms(self) -> dict[str, Any]:
+        """The given HardwareProfile terms by routerd's snake_case names (``based_on`` left out)."""
+        return self.model_dump(exclude_none=True, exclude={"based_on"})
+
+
+class HardwareProfileRef(_Spec):
+    name: str | None = None
+    inline: InlineProfile | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "HardwareProfileRef":
+        if (self.name is None) == (self.inline is None):
+            raise ValueError("set exactly one of hardwareProfile.name (a shipped profile) or hardwareProfile.inline")
+        return self
+
+
+class CheckpointRef(_Spec):
+    config_map: str = Field(min_length=1)
+
+
+class RoutingSpec(_Spec):
+    policy: str = DEFAULT_POLICY
+    params: dict[str, Any] = Field(default_factory=dict)
+    action_interval_seconds: float = Field(default=0.02, ge=0.0001)
+    queue_limit: int = Field(default=1024, ge=1)
+    checkpoint: CheckpointRef | None = None
+
+
+class PredictorVolume(_Spec):
+    claim_name: str = Field(min_length=1)
+    path: str = ""
+
+
+class PredictorSpec(_Spec):
+    name: str | None = None
+    persistent_volume_claim: PredictorVolume | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "PredictorSpec":
+        if (self.name is None) == (self.persistent_volume_claim is None):
+            raise ValueError("set exactly one of predictor.name or predictor.persistentVolumeClaim")
+        return self
+
+
+class ServiceSpec(_Spec):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(default=80, ge=1, le=65535)
+    node_port: int | None = Field(default=None, ge=30000, le=32767)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class RouterdSpec(_Spec):
+    replicas: int = Field(default=1, ge=0)
+    image: str | None = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    resources: Resources = Field(default_factory=Resources)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    service: ServiceSpec = Field(default_factory=ServiceSpec)
+
+
+class SecretRef(_Spec):
+    name: str
+
+
+class PoolSpec(_Spec):
+    """``LLMRouterPool.spec``."""
+
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    sidecar: SidecarSpec = Field(default_factory=SidecarSpec)
+    hardware_profile: HardwareProfileRef = Field(default_factory=lambda: HardwareProfileRef(name=DEFAULT_PROFILE))
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    predictor: PredictorSpec | None = None
+    routerd: RouterdSpec = Field(default_factory=RouterdSpec)
+    emulated: bool = False
+    image_pull_secrets: list[SecretRef] = Field(default_factory=list)
+
+
+class ProfileTask(_Spec):
+    instance: str | None = None
+    args: list[str] = Field(default_factory=list)
+
+
+class TrainTask(_Spec):
+    variant: str = "workload-guided"
+    workload: str = "public-mix"
+    episodes: int = Field(default=30, ge=1)
+    requests_per_episode: int = Field(default=1000, ge=1)
+    rate: float | None = Field(default=None, ge=0)
+    prediction: str = "true"
+    seed: int = Field(default=0, ge=0)
+    args: list[str] = Field(default_factory=list)
+
+
+class PoolRef(_Spec):
+    name: str = Field(min_length=1)
+
+
+class JobSpec(_Spec):
+    """``LLMRouterJob.spec``."""
+
+    pool_ref: PoolRef
+    task: Literal["profile", "train"]
+    apply: bool = True
+    image: str | None = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    resources: Resources = Field(default_factory=Resources)
+    backoff_limit: int = Field(default=0, ge=0)
+    active_deadline_seconds: int = Field(default=7200, ge=1)
+    profile: ProfileTask | None = None
+    train: TrainTask | None = None
+
+    @property
+    def profile_task(self) -> ProfileTask:
+        """The profile parameters (defaults when none were given)."""
+        return self.profile or ProfileTask()
+
+    @property
+    def train_task(self) -> TrainTask:
+        """The train parameters (defaults when none were given)."""
+        return self.train or TrainTask()
+
+
+# ---------------------------------------------------------------- parsing with field paths
+
+def _wire_path(prefix: str, model: type[BaseModel], loc: tuple) -> str:
+    """A pydantic error location as the camelCase path a user wrote, e.g. ``spec.engine.replicas``."""
+    parts = [prefix]
+    current: Any = model
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1] += f"[{item}]"
+            continue
+        name = str(item)
+        fields = getattr(current, "model_fields", None)
+        if fields and name in fields:
+            info = fields[name]
+            parts.append(info.alias or name)
+            current = _inner_model(info.annotation)
+        else:
+            parts.append(name)
+            current = None
+    return ".".join(parts)
+
+
+def _inner_model(annotation: Any) -> Any:
+    """The pydantic model inside an annotation (``X``, ``X | None``, ``list[X]``), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def parse_pool_spec(spec: dict[str, Any] | None) -> PoolSpec:
+    """``PoolSpec`` from the stored camelCase spec.
+
+    Raises:
+        SpecError: naming the first invalid field (``spec.…``).
+    """
+    return _parse(PoolSpec, spec)
+
+
+def parse_job_spec(spec: dict[str, Any] | None) -> JobSpec:
+    """``JobSpec`` from the stored camelCase spec.
+
+    Raises:
+        SpecError: naming the first invalid field (``spec.…``).
+    """
+    return _parse(JobSpec, spec)
+
+
+def _parse(model: type[_Spec], spec: dict[str, Any] | None) -> Any:
+    if not isinstance(spec, dict):
+        raise SpecError("spec", "missing or not an object")
+    try:
+        return model.model_validate(spec)
+    except ValidationError as e:
+        err = e.errors()[0]
+        msg = err["msg"].removeprefix("Value error, ")
+        raise SpecError(_wire_path("spec", model, tuple(err["loc"])), msg) from None
+
+
+# ---------------------------------------------------------------- checks that need routerd
+
+def check_pool(spec: PoolSpec) -> None:
+    """What the schema cannot check: routerd's own models accept the policy, its params and the profile.
+
+    Raises:
+        SpecError: naming the field, e.g. an unknown policy or profile that slipped past
+            an older CRD, a policy parameter its model rejects, a merged inline profile
+            that breaks routerd's limits, or an emulated pool that requests GPUs.
+    """
+    from routerd.policies.registry import POLICIES
+
+    from phasewise_operator.gen_crds import policy_names, predictor_baselines
+
+    routing = spec.routing
+    live = policy_names()
+    if routing.policy not in live:
+        why = "an oracle policy runs only in the simulator" if routing.policy in POLICIES else "unknown policy"
+        raise SpecError("spec.routing.policy", f"{why} {routing.policy!r}; valid: {', '.join(live)}")
+    if "checkpoint" in routing.params:
+        raise SpecError("spec.routing.params.checkpoint", "give the DQN checkpoint as routing.checkpoint.configMap")
+    if routing.policy == "dqn" and routing.checkpoint is None:
+        raise SpecError("spec.routing.checkpoint", "policy dqn needs a checkpoint ConfigMap")
+    params_model = POLICIES[routing.policy].Params
+    params = dict(routing.params)
+    if routing.policy == "dqn":
+        params["checkpoint"] = "/"  # the operator's own mount; only the other fields are checked here
+    try:
+        params_model.model_validate(params)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "params"
+        known = ", ".join(f for f in params_model.model_fields if f != "checkpoint") or "none"
+        raise SpecError(f"spec.routing.params.{field}",
+                        f"{err['msg']} (policy {routing.policy} takes: {known})") from None
+    resolve_profile(spec, pool_name="check")
+    if spec.predictor is not None and spec.predictor.name is not None and \
+            spec.predictor.name not in predictor_baselines():
+        raise SpecError("spec.predictor.name", f"unknown predictor baseline {spec.predictor.name!r}; "
+                        f"valid: {', '.join(predictor_baselines())}")
+    if spec.emulated and spec.engine.resources.requests_gpu():
+        raise SpecError("spec.engine.resources", "an emulated pool must not request nvidia.com/gpu")
+    if spec.emulated and spec.engine.args:
+        raise SpecError("spec.engine.args", "engine.args are vLLM arguments; an emulated pool must not set them")
+    if spec.engine.port == spec.sidecar.port:
+        raise SpecError("spec.sidecar.port", "engine.port and sidecar.port must differ")
+
+
+def resolve_profile(spec: PoolSpec, *, pool_name: str):
+    """The pool's :class:`routerd.profiles.HardwareProfile`: a shipped one, or ``basedOn`` with the inline terms over it.
+
+    Raises:
+        SpecError: an unknown profile name, or a merged inline profile routerd rejects
+            (the message names the inline field, e.g. ``spec.hardwareProfile.inline.kvCapacityTokens``).
+    """
+    from routerd.profiles import HardwareProfile, ProfileError, get_profile, profile_names
+
+    ref = spec.hardware_profile
+    base_name = ref.name if ref.name is not None else ref.inline.based_on  # type: ignore[union-attr]
+    field = "spec.hardwareProfile.name" if ref.name is not None else "spec.hardwareProfile.inline.basedOn"
+    if base_name not in profile_names():
+        raise SpecError(field, f"unknown profile {base_name!r}; valid: {', '.join(profile_names())}")
+    try:
+        base = get_profile(base_name)
+    except ProfileError as e:  # a broken shipped file: nothing the user can fix, but say so
+        raise SpecError(field, str(e)) from None
+    if ref.inline is None:
+        return base
+    inline = ref.inline
+    data = base.model_dump()
+    data.update(inline.terms())
+    data["name"] = f"{pool_name}-inline"
+    data["description"] = inline.description or f"inline profile of pool {pool_name}, based on {base_name}"
+    data["sources"] = {}
+    try:
+        return HardwareProfile.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        msg = err["msg"].removeprefix("Value error, ")
+        loc = [str(x) for x in err["loc"]]
+        # A cross-field limit has no location: name the first term its message mentions.
+        terms = loc[:1] or _terms_in(msg)[:1]
+        where = "spec.hardwareProfile.inline" + ("." + to_camel(terms[0]) if terms else "")
+        raise SpecError(where, _camelize(msg)) from None
+
+
+def _terms_in(text: str) -> list[str]:
+    from routerd.profiles import HardwareProfile
+
+    found = [(m.start(), f) for f in HardwareProfile.model_fields
+             for m in re.finditer(rf"\b{re.escape(f)}\b", text)]
+    return [f for _, f in sorted(found)]
+
+
+def _camelize(text: str) -> str:
+    """routerd's snake_case profile terms in a message, as the camelCase names of the spec."""
+    from routerd.profiles import HardwareProfile
+
+    for f in sorted(HardwareProfile.model_fields, key=len, reverse=True):
+        text = re.sub(rf"\b{re.escape(f)}\b", to_camel(f), text)
+    return text
+
+
+def profile_label(spec: PoolSpec) -> str:
+    """What ``status.activeProfile`` shows: the shipped name, or ``inline(<basedOn>)``."""
+    ref = spec.hardware_profile
+    return ref.name if ref.name is not None else f"inline({ref.inline.based_on})"  # type: ignore[union-attr]

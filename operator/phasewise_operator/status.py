@@ -1,0 +1,165 @@
+"""A pool's status from its children's observed state: pure functions, no API calls.
+
+Conditions follow the Kubernetes API conventions (metav1.Condition; ``lastTransitionTime``
+changes only when ``status`` does):
+
+- **Ready**: the pool serves requests: at least one routerd pod and at least one
+  instance are ready. Reasons ``Ready``, ``RouterdNotReady``, ``NoReadyInstances``,
+  ``ScaledToZero``, ``NotCreated``.
+- **Progressing**: a rollout or scaling is under way (``RollingOut``) or done
+  (``Complete``).
+- **Degraded**: something needs a person: ``InvalidSpec`` (the message names the field),
+  ``CheckpointNotFound``, ``ApplyFailed`` (the API server refused a child),
+  ``EngineFailed``/``RouterdFailed`` (a Deployment reports ReplicaFailure or missed
+  its progress deadline); else ``AsExpected``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+ENDPOINTS_LISTED = 512
+"""At most this many endpoints go into ``status.endpoints`` (the status object stays small)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a pool is Degraded: a CamelCase reason and a message naming the field or object."""
+
+    reason: str
+    message: str
+
+
+def _dep_status(dep: Mapping[str, Any] | None) -> dict[str, Any]:
+    return dict((dep or {}).get("status") or {})
+
+
+def _dep_progress(dep: Mapping[str, Any] | None) -> tuple[bool, str]:
+    """(rolled out, why not) for a Deployment, the way ``kubectl rollout status`` decides."""
+    if dep is None:
+        return False, "not created yet"
+    st = _dep_status(dep)
+    spec = dep.get("spec") or {}
+    meta = dep.get("metadata") or {}
+    want = int(spec.get("replicas", 1))
+    if int(st.get("observedGeneration", 0)) < int(meta.get("generation", 0)):
+        return False, "waiting for the Deployment controller"
+    updated = int(st.get("updatedReplicas", 0))
+    total = int(st.get("replicas", 0))
+    available = int(st.get("availableReplicas", 0))
+    if updated < want:
+        return False, f"{updated}/{want} pods updated"
+    if total > updated:
+        return False, f"{total - updated} old pods terminating"
+    if available < updated:
+        return False, f"{available}/{want} pods available"
+    return True, ""
+
+
+def _dep_failure(dep: Mapping[str, Any] | None) -> str | None:
+    for c in _dep_status(dep).get("conditions") or []:
+        if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
+            return c.get("message") or c.get("reason") or "replica failure"
+        if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
+            return c.get("message") or "progress deadline exceeded"
+    return None
+
+
+def endpoints(slices: Iterable[Mapping[str, Any]], limit: int = ENDPOINTS_LISTED) -> list[dict[str, Any]]:
+    """``status.endpoints`` from the engine Service's EndpointSlices, exactly as routerd reads them."""
+    from routerd.daemon.endpointslices import endpoints_from_slices
+
+    out = []
+    for ep in endpoints_from_slices(slices, http_port_name="http", state_port_name="state")[:limit]:
+        item: dict[str, Any] = {"name": ep.name, "url": ep.url, "ready": ep.ready}
+        if ep.state_address:
+            item["stateAddress"] = ep.state_address
+        out.append(item)
+    return out
+
+
+def condition(ctype: str, status: bool, reason: str, message: str, *, now: str, generation: int,
+              previous: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """A metav1.Condition; ``lastTransitionTime`` is kept from ``previous`` when the status did not change."""
+    value = "True" if status else "False"
+    since = now
+    for c in previous:
+        if c.get("type") == ctype and c.get("status") == value and c.get("lastTransitionTime"):
+            since = c["lastTransitionTime"]
+    return {"type": ctype, "status": value, "reason": reason, "message": message,
+            "lastTransitionTime": since, "observedGeneration": generation}
+
+
+def _desired(dep: Mapping[str, Any] | None) -> int:
+    return int(((dep or {}).get("spec") or {}).get("replicas", 1))
+
+
+def pool_status(*, engine: Mapping[str, Any] | None, routerd: Mapping[str, Any] | None,
+                slices: Iterable[Mapping[str, Any]], problem: Problem | None, generation: int, now: str,
+                previous_conditions: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """The observed part of ``status``: conditions, replicas, readyInstances and endpoints.
+
+    Desired replica counts are the Deployments' own (what was last applied), so a status
+    refresh between a spec change and its reconcile does not misreport.
+
+    Args:
+        engine, routerd: the Deployments as read (None when absent).
+        slices: the engine Service's EndpointSlices.
+        problem: why the last reconcile could not apply the spec, or None.
+        generation: the ``metadata.generation`` this status describes.
+        now: RFC 3339 time for conditions that change now.
+    """
+    prev = list(previous_conditions)
+    desired_engine_replicas, desired_routerd_replicas = _desired(engine), _desired(routerd)
+    est = _dep_status(engine)
+    rst = _dep_status(routerd)
+    ready_instances = int(est.get("readyReplicas", 0) or 0)
+    routerd_ready = int(rst.get("readyReplicas", 0) or 0)
+
+    if engine is None or routerd is None:
+        ready = (False, "NotCreated", problem.message if problem else "children not created yet")
+    elif desired_engine_replicas == 0:
+        ready = (False, "ScaledToZero", "spec.engine.replicas is 0")
+    elif routerd_ready == 0:
+        ready = (False, "RouterdNotReady", "no routerd pod is ready" if desired_routerd_replicas else
+                 "spec.routerd.replicas is 0")
+    elif ready_instances == 0:
+        ready = (False, "NoReadyInstances", f"0/{desired_engine_replicas} instances ready")
+    else:
+        ready = (True, "Ready", f"{ready_instances}/{desired_engine_replicas} instances and "
+                 f"{routerd_ready}/{desired_routerd_replicas} routerd ready")
+
+    e_done, e_why = _dep_progress(engine)
+    r_done, r_why = _dep_progress(routerd)
+    if e_done and r_done:
+        progressing = (False, "Complete", "engine and routerd are rolled out")
+    else:
+        parts = [f"engine: {e_why}" if not e_done else "", f"routerd: {r_why}" if not r_done else ""]
+        progressing = (True, "RollingOut", "; ".join(p for p in parts if p))
+
+    e_fail, r_fail = _dep_failure(engine), _dep_failure(routerd)
+    if problem is not None:
+        degraded = (True, problem.reason, problem.message)
+    elif e_fail:
+        degraded = (True, "EngineFailed", f"engine Deployment: {e_fail}")
+    elif r_fail:
+        degraded = (True, "RouterdFailed", f"routerd Deployment: {r_fail}")
+    else:
+        degraded = (False, "AsExpected", "")
+
+    conds = [condition(t, s, reason, msg, now=now, generation=generation, previous=prev)
+             for t, (s, reason, msg) in (("Ready", ready), ("Progressing", progressing), ("Degraded", degraded))]
+    return {
+        "observedGeneration": generation,
+        "conditions": conds,
+        "replicas": int(est.get("replicas", 0) or 0),
+        "readyInstances": ready_instances,
+        "endpoints": endpoints(slices),
+    }
+
+
+def same_status(current: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether writing ``new`` over ``current`` would change nothing (skips a needless PATCH)."""
+    current = current or {}
+    return all(current.get(k) == v for k, v in new.items())

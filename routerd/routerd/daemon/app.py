@@ -1,0 +1,471 @@
+"""The routerd process: wires settings, router, HTTP front, gRPC API, state watchers, reload and drain.
+
+Lifecycle: :meth:`Daemon.start` binds the HTTP and gRPC listeners and starts watching
+each endpoint's sidecar; :meth:`Daemon.reload` swaps endpoints, policy (including a dqn
+checkpoint), predictor and limits without touching queued or in-flight requests;
+:meth:`Daemon.drain` stops accepting (``/readyz`` and gRPC health turn NOT_SERVING, new
+requests get 503), lets queued and in-flight requests finish up to the drain timeout and
+then :meth:`Daemon.stop` closes everything. :meth:`Daemon.serve_forever` adds the signal
+handling of ``phasewise serve``: SIGTERM/SIGINT drain and exit, SIGHUP reloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from aiohttp import web
+
+from routerd.errors import ConfigError
+from routerd.model import PREDICTOR_BUCKET_EDGES, bucket_of
+from routerd.daemon.config import Settings, load_settings
+from routerd.daemon.discovery import DiscoveredEndpoint
+from routerd.daemon.metrics import Metrics
+from routerd.daemon.proxy import Proxy
+from routerd.daemon.router import Router, build_routing_policy
+
+log = logging.getLogger("routerd")
+
+_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def load_profile(spec: str):
+    """The hardware profile ``spec`` (name or YAML path). Raises ConfigError naming the field."""
+    from routerd.profiles import ProfileError, get_profile
+
+    try:
+        return get_profile(spec)
+    except ProfileError as e:
+        raise ConfigError(f"profile: {e}") from None
+
+
+def load_length_predictor(spec: str):
+    """The length predictor of ``spec``, or None for ``none``. Raises ConfigError naming the field."""
+    if spec.strip().lower() in ("", "none"):
+        return None
+    from routerd.predictor import PredictorError, load_predictor
+
+    try:
+        return load_predictor(spec)
+    except PredictorError as e:
+        raise ConfigError(f"predictor: {e}") from None
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"predictor: {spec!r} needs the Python package {e.name!r}; "
+                          "install the extra: pip install 'phasewise[predictor]'") from None
+
+
+class _Built:
+    """Everything derived from settings that can fail, built before anything is swapped."""
+
+    def __init__(self, settings: Settings, num_endpoints: int) -> None:
+        self.profile = load_profile(settings.profile)
+        self.predictor = load_length_predictor(settings.predictor)
+        self.edges = tuple(self.predictor.edges) if self.predictor is not None else PREDICTOR_BUCKET_EDGES
+        self.policy = build_routing_policy(settings.policy, self.profile, num_endpoints, self.edges)
+
+
+class Daemon:
+    """One routerd: an HTTP front and a gRPC API over a shared :class:`Router`.
+
+    Args:
+        settings: validated settings.
+        config_path: the YAML file they came from (reloaded on SIGHUP or when it changes).
+        reload_overrides: the command-line overrides to re-apply on each reload.
+
+    Raises:
+        ConfigError: the profile, predictor or policy cannot be built.
+    """
+
+    def __init__(self, settings: Settings, *, config_path: str | Path | None = None,
+                 reload_overrides: dict[str, Any] | None = None,
+                 reload_override_flags: dict[str, str] | None = None) -> None:
+        self.settings = settings
+        self.config_path = Path(config_path) if config_path is not None else None
+        self._overrides = reload_overrides or {}
+        self._override_flags = reload_override_flags or {}
+        built = _Built(settings, len(settings.endpoints))
+        self.profile = built.profile
+        self.predictor = built.predictor
+        self._predictor_blocking = self._is_blocking(self.predictor)
+        self.metrics = Metrics()
+        self.router = Router(profile=self.profile, policy=built.policy, policy_name=settings.policy.name,
+                             metrics=self.metrics, config=settings.router, state_max_age_s=settings.state.max_age_s,
+                             bucket_edges=built.edges)
+        self.router.failure_cooldown_s = settings.upstream.failure_cooldown_s
+        self.router.on_ready_change = self._on_ready_change
+        self.started_at_unix = time.time()
+        self._static: list[DiscoveredEndpoint] = self._static_endpoints(settings)
+        self._discovered: list[DiscoveredEndpoint] = []
+        self._watchers: dict[str, tuple[str, Any, asyncio.Task]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._site_port: int | None = None
+        self._grpc: Any = None
+        self._k8s: Any = None
+        self._tasks: list[asyncio.Task] = []
+        self._bg: set[asyncio.Future] = set()
+        self._config_mtime: float | None = None
+        self._stopping = False
+        self.proxy = Proxy(self)
+
+    # -- start / stop ------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind the listeners, open the upstream pool, start state watchers and discovery."""
+        self._loop = asyncio.get_running_loop()
+        s = self.settings
+        await self.proxy.open_pool()
+        self._apply_all_endpoints()
+        app = self.proxy.build_app()
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, s.http.host, s.http.port, backlog=1024, reuse_address=True)
+        await site.start()
+        self._site_port = self._runner.addresses[0][1]
+        if s.grpc.enabled:
+            from routerd.daemon.grpc_api import GrpcServer
+
+            self._grpc = GrpcServer(self)
+            await self._grpc.start(s.grpc.host, s.grpc.port)
+        if s.kubernetes.enabled:
+            self._start_kubernetes()
+        if self.config_path is not None:
+            try:
+                self._config_mtime = self.config_path.stat().st_mtime
+            except OSError:
+                self._config_mtime = None
+            if s.reload.watch:
+                self._tasks.append(asyncio.create_task(self._watch_config()))
+        self._on_ready_change()
+        if not self.router.endpoints and not s.kubernetes.enabled:
+            log.warning("no endpoints configured: every request will get 503 until a reload adds some")
+        log.info("routerd listening on http://%s:%d%s; policy %s; %d endpoints", s.http.host, self.http_port,
+                 f", gRPC {s.grpc.host}:{self.grpc_port}" if self._grpc is not None else "", s.policy.name,
+                 len(self.router.endpoints))
+
+    @property
+    def http_port(self) -> int:
+        """The bound HTTP port (useful with port 0)."""
+        assert self._site_port is not None, "not started"
+        return self._site_port
+
+    @property
+    def grpc_port(self) -> int | None:
+        """The bound gRPC port, or None when gRPC is disabled."""
+        return self._grpc.port if self._grpc is not None else None
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Stop accepting, wait for queued and in-flight requests (at most ``timeout_s``).
+
+        Returns True if everything finished in time; queued requests left at the timeout
+        get 503 (in-flight ones are cut when the server stops).
+        """
+        from routerd.daemon.router import DrainingError
+
+        timeout_s = self.settings.drain_timeout_s if timeout_s is None else timeout_s
+        self.router.begin_drain()
+        log.info("draining: %d queued, %d in flight (timeout %g s)", len(self.router.queue),
+                 self.router.in_flight, timeout_s)
+        try:
+            await asyncio.wait_for(self.router.wait_idle(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            n = self.router.reject_queued(DrainingError("routerd is shutting down (drain timeout)"))
+            log.warning("drain timeout: %d queued requests refused, %d in flight cut", n, self.router.in_flight)
+            return False
+
+    async def stop(self) -> None:
+        """Close listeners, watchers, discovery and the upstream pool (idempotent)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+        self._tasks.clear()
+        if self._k8s is not None:
+            k8s, self._k8s = self._k8s, None
+            await asyncio.to_thread(k8s.stop)
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s=0.5)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        for name in list(self._watchers):
+            await self._stop_watcher(name)
+        if self._bg:
+            await asyncio.gather(*self._bg, return_exceptions=True)
+        await self.proxy.close()
+        self.router.close()
+
+    # -- endpoints ---------------------------------------------------------------
+    @staticmethod
+    def _static_endpoints(settings: Settings) -> list[DiscoveredEndpoint]:
+        return [DiscoveredEndpoint(e.name, e.url, e.state_address, True) for e in settings.endpoints]
+
+    def apply_endpoints(self, endpoints: Sequence[DiscoveredEndpoint]) -> None:
+        """Replace the discovered endpoint set (static endpoints stay); event-loop thread only.
+
+        From another thread use :meth:`endpoints_callback` (an ``EndpointsCallback``).
+        """
+        self._discovered = list(endpoints)
+        self._apply_all_endpoints()
+
+    def endpoints_callback(self, endpoints: Sequence[DiscoveredEndpoint]) -> None:
+        """Thread-safe :data:`~routerd.daemon.discovery.EndpointsCallback`: hops to the event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(self.apply_endpoints, tuple(endpoints))
+
+    def _apply_all_endpoints(self) -> None:
+        names = {e.name for e in self._static}
+        merged = list(self._static) + [e for e in self._discovered if e.name not in names]
+        self.router.set_endpoints(merged)
+        if self._loop is not None and not self._stopping:
+            self._sync_watchers()
+
+    def _sync_watchers(self) -> None:
+        wanted = {ep.name: ep.state_address for ep in self.router.endpoints if ep.state_address and not ep.removed}
+        for name, (addr, _, _) in list(self._watchers.items()):
+            if wanted.get(name) != addr:
+                self._background(self._stop_watcher(name))
+        for name, addr in wanted.items():
+            if name not in self._watchers:
+                self._start_watcher(name, addr)
+
+    def _background(self, coro) -> None:
+        # Keep a reference: the event loop holds only weak ones to tasks.
+        task = asyncio.ensure_future(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    def _start_watcher(self, name: str, address: str) -> None:
+        from routerd.sidecar.client import InstanceStateWatcher
+
+        router = self.router
+
+        def on_state(state: Any, _name: str = name) -> None:
+            router.update_state(_name, state)
+
+        w = InstanceStateWatcher(address, on_state, min_interval_s=self.settings.state.min_interval_s)
+        task = asyncio.create_task(w.run(), name=f"state-{name}")
+        self._watchers[name] = (address, w, task)
+
+    async def _stop_watcher(self, name: str) -> None:
+        entry = self._watchers.pop(name, None)
+        if entry is None:
+            return
+        _, w, task = entry
+        await w.aclose()
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    def _start_kubernetes(self) -> None:
+        from routerd.daemon.endpointslices import EndpointSliceWatcher
+
+        k = self.settings.kubernetes
+        namespace = k.namespace
+        if namespace is None:
+            try:
+                namespace = Path(_NAMESPACE_FILE).read_text().strip()
+            except OSError:
+                namespace = "default"
+        watcher = EndpointSliceWatcher(namespace, k.service or "", self.endpoints_callback,
+                                       http_port_name=k.http_port_name, state_port_name=k.state_port_name)
+        try:
+            watcher.start()
+        except Exception as e:  # noqa: BLE001 - no in-cluster credentials nor kubeconfig, typically
+            raise ConfigError(f"kubernetes: cannot start EndpointSlice discovery: {type(e).__name__}: {e}") from None
+        self._k8s = watcher
+
+    # -- readiness and models ----------------------------------------------------
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why): config loaded, not draining, and an endpoint that is ready and reachable."""
+        if self.router.draining:
+            return False, "draining"
+        now = self.router.clock()
+        if not any(ep.ready and ep.down_until <= now for ep in self.router.endpoints):
+            return False, "no ready endpoint"
+        return True, "ok"
+
+    def _on_ready_change(self) -> None:
+        if self._grpc is not None:
+            self._grpc.set_serving(self.readiness()[0])
+
+    def model_names(self) -> list[str]:
+        """Served model names: configured, else those the sidecars report."""
+        if self.settings.models:
+            return list(self.settings.models)
+        seen: dict[str, None] = {}
+        for ep in self.router.endpoints:
+            s = ep.snapshot
+            if s is not None:
+                for m in s.models:
+                    seen[m] = None
+        return list(seen)
+
+    def model_allowed(self, model: str) -> bool:
+        """Whether requests for ``model`` are accepted (any model while none is known)."""
+        if self.settings.models:
+            return model in self.settings.models
+        names = self.model_names()
+        return not names or model in names
+
+    # -- per-request helpers -----------------------------------------------------
+    @staticmethod
+    def _is_blocking(predictor: Any) -> bool:
+        return predictor is not None and type(predictor).__module__.startswith("routerd.predictor.hf")
+
+    async def predict(self, prompt: str | None, prompt_tokens: int, task: str | None,
+                      max_tokens: int | None = None) -> int | None:
+        """Predicted decode bucket of a request, or None (no predictor, or it failed).
+
+        A prediction above the bucket of the request's ``max_tokens`` is lowered to it: the
+        output cannot be longer than that.
+        """
+        p = self.predictor
+        if p is None:
+            return None
+        try:
+            if self._predictor_blocking:
+                # A transformer takes milliseconds: keep it off the event loop.
+                out = await asyncio.to_thread(p.predict, [(prompt, prompt_tokens, task)])
+            else:
+                out = p.predict([(prompt, prompt_tokens, task)])
+            b = int(out[0])
+        except Exception:  # noqa: BLE001 - a predictor failure must not fail the request
+            log.exception("predictor failed; routing without a prediction")
+            return None
+        edges = self.router.bucket_edges
+        if not 0 <= b <= len(edges):
+            return None
+        if max_tokens is not None and max_tokens > 0:
+            cap = bucket_of(max_tokens, edges)
+            if b > cap:
+                b = cap
+        return b
+
+    def observe_finished(self, r: Any, t0: float, t_first: float | None, tokens: int) -> None:
+        """Record the latency metrics of a request that completed (``tokens`` generated)."""
+        m = self.metrics
+        now = time.monotonic()
+        e2e = now - t0
+        m.e2e.observe(e2e)
+        if t_first is not None:
+            ttft = t_first - t0
+            m.ttft.observe(ttft)
+            if tokens > 1:
+                m.tpot.observe((now - t_first) / (tokens - 1))
+        m.generation_tokens.inc(tokens)
+        m.count_bucket(r.predicted_bucket, bucket_of(tokens, self.router.bucket_edges))
+
+    def refresh_gauges(self) -> None:
+        """Update gauges that are read, not pushed (before a /metrics scrape)."""
+        now = self.router.clock()
+        age = self.settings.state.max_age_s
+        for ep in self.router.endpoints:
+            ep.m.state_stale.set(1 if ep.state_address is not None and ep.is_stale(now, age) else 0)
+
+    # -- reload ------------------------------------------------------------------
+    async def reload(self, settings: Settings | None = None) -> bool:
+        """Re-read the config file (or take ``settings``) and apply it without dropping requests.
+
+        Endpoints, policy (and its checkpoint), predictor, models, router, state and
+        upstream limits change at once; listener addresses, the event loop, the body limit
+        and Kubernetes discovery settings need a restart (a warning says so). An invalid new
+        configuration is logged and the running one kept. Returns True when applied.
+        """
+        try:
+            if settings is None:
+                if self.config_path is None:
+                    log.info("reload: no config file to reload")
+                    return False
+                settings = load_settings(self.config_path, overrides=self._overrides,
+                                         override_flags=self._override_flags)
+            built = await asyncio.to_thread(_Built, settings, len(settings.endpoints) or len(self.router.endpoints))
+        except ConfigError as e:
+            self.metrics.reloads.labels("error").inc()
+            log.error("reload refused, keeping the running configuration: %s", e)
+            return False
+        old = self.settings
+        for key in ("http", "grpc", "event_loop", "max_body_bytes", "kubernetes"):
+            if getattr(old, key) != getattr(settings, key):
+                log.warning("reload: %s changed; it takes effect after a restart", key)
+        self.settings = settings
+        self.profile = built.profile
+        self.router.profile = built.profile
+        self.predictor = built.predictor
+        self._predictor_blocking = self._is_blocking(built.predictor)
+        self.router.bucket_edges = built.edges
+        self.router.configure(settings.router, settings.state.max_age_s)
+        self.router.failure_cooldown_s = settings.upstream.failure_cooldown_s
+        self.proxy.reconfigure()
+        self.router.set_policy(built.policy, settings.policy.name)
+        self._static = self._static_endpoints(settings)
+        self._apply_all_endpoints()
+        self.metrics.reloads.labels("ok").inc()
+        log.info("reloaded: policy %s, %d endpoints", settings.policy.name, len(self.router.endpoints))
+        return True
+
+    async def _watch_config(self) -> None:
+        assert self.config_path is not None
+        while True:
+            await asyncio.sleep(self.settings.reload.poll_interval_s)
+            try:
+                mtime = self.config_path.stat().st_mtime
+            except OSError:
+                continue
+            if mtime != self._config_mtime:
+                self._config_mtime = mtime
+                try:
+                    await self.reload()
+                except Exception:  # noqa: BLE001 - keep watching whatever one reload did
+                    log.exception("reload failed")
+
+    # -- the process -------------------------------------------------------------
+    async def serve_forever(self) -> int:
+        """Start, then run until SIGTERM/SIGINT (drain, stop, return 0); SIGHUP reloads."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        hup = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, hup.set)
+        try:
+            await self.start()
+            # The objects made at start-up (modules, settings, the policy) live as long as the
+            # process: move them out of the collector's way, and collect the young generation
+            # less often (each request makes a few hundred short-lived containers).
+            gc.collect()
+            gc.freeze()
+            gc.set_threshold(20_000, 20, 20)
+            while not stop.is_set():
+                waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(hup.wait())]
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                for w in waiters:
+                    w.cancel()
+                if hup.is_set() and not stop.is_set():
+                    hup.clear()
+                    await self.reload()
+            await self.drain()
+            return 0
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            await self.stop()
+            log.info("routerd stopped (pid %d)", os.getpid())

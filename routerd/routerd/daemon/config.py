@@ -1,0 +1,373 @@
+"""routerd's configuration: pydantic models read from a YAML file, environment variables and flags.
+
+Precedence, lowest first: defaults, the YAML file (``phasewise serve --config FILE``),
+environment variables ``PHASEWISE_<FIELD>`` with ``__`` between nested fields
+(``PHASEWISE_HTTP__PORT=8080``, ``PHASEWISE_POLICY__NAME=late_binding``; lists and
+objects as JSON, ``PHASEWISE_MODELS='["llama-2-7b"]'``), then command-line flags.
+Environment parsing is pydantic-settings' ``EnvSettingsSource``.
+
+Every error is a :class:`routerd.errors.ConfigError` whose one-line message names
+where the bad value came from (file, environment variable or flag) and its field path,
+indexed like ``endpoints[2].url``.
+
+An example file::
+
+    http: {host: 0.0.0.0, port: 8000}
+    grpc: {port: 50051}
+    models: [llama-2-7b]
+    endpoints:
+      - {name: vllm-0, url: "http://10.0.0.7:8000", state_address: "10.0.0.7:50061"}
+      - {name: vllm-1, url: "http://10.0.0.8:8000", state_address: "10.0.0.8:50061"}
+    policy: {name: late_binding, params: {reserve_fraction: 0.1}}
+    profile: llama2-7b-v100
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from routerd.errors import ConfigError
+
+ENV_PREFIX = "PHASEWISE_"
+ENV_NESTED_DELIMITER = "__"
+
+#: Default request body limit (bytes): a 1 MiB prompt plus room for JSON escaping and
+#: the other fields. Bigger bodies get 413 (GIE#854: define a limit instead of failing).
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+
+class ListenConfig(_Model):
+    """One listening socket."""
+
+    host: str = "0.0.0.0"
+    """Address to bind (``0.0.0.0`` = every IPv4 interface)."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port; 0 picks a free one (logged at start-up)."""
+
+
+class GrpcConfig(ListenConfig):
+    """The gRPC listener (``phasewise.v1.RouterService`` and ``grpc.health.v1``)."""
+
+    port: int = Field(default=50051, ge=0, le=65535)
+    enabled: bool = True
+    """Serve the gRPC API at all."""
+    report_timeout_s: float = Field(default=600.0, gt=0)
+    """A gRPC-routed request never reported with ``ReportCompletion`` is released from the
+    in-flight bookkeeping after this long (s)."""
+
+
+def _check_host_port(value: str, what: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{what} must be host:port, got {value!r}")
+    return value
+
+
+def normalize_url(value: str) -> str:
+    """An endpoint base URL checked (http or https, a host) and without a trailing slash.
+
+    Raises:
+        ValueError: another scheme, no host, a query or fragment.
+    """
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http:// or https:// URL with a host, got {value!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"must not have a query or fragment, got {value!r}")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"has an invalid port: {value!r}") from None
+    return value.strip().rstrip("/")
+
+
+class EndpointConfig(_Model):
+    """A statically configured serving instance."""
+
+    name: str = Field(min_length=1)
+    """Unique instance name (used in metrics labels and decisions)."""
+    url: str
+    """OpenAI-compatible base URL, e.g. ``http://10.0.0.7:8000``."""
+    state_address: str | None = None
+    """``host:port`` of the instance's state sidecar, or None (routerd's own bookkeeping only)."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return normalize_url(v)
+
+    @field_validator("state_address")
+    @classmethod
+    def _state(cls, v: str | None) -> str | None:
+        return None if v is None or v == "" else _check_host_port(v, "state_address")
+
+
+class KubernetesConfig(_Model):
+    """Endpoint discovery from the EndpointSlices of a Service (watched by ``daemon.endpointslices``)."""
+
+    enabled: bool = False
+    namespace: str | None = None
+    """Namespace of the Service; None = the pod's own namespace."""
+    service: str | None = None
+    """Service whose EndpointSlices list the vLLM pods (required when enabled)."""
+    http_port_name: str = "http"
+    """Name of the Service port that serves the OpenAI API."""
+    state_port_name: str = "state"
+    """Name of the Service port of the state sidecar (gRPC); absent = no sidecar."""
+
+    @model_validator(mode="after")
+    def _service(self) -> "KubernetesConfig":
+        if self.enabled and not self.service:
+            raise ValueError("service is required when kubernetes discovery is enabled")
+        return self
+
+
+class PolicyConfig(_Model):
+    """Routing policy by registry name, with its typed parameters (``phasewise policies``)."""
+
+    name: str = "round_robin"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class RouterConfig(_Model):
+    """The router queue and the decision loop."""
+
+    queue_limit: int = Field(default=1024, ge=1)
+    """Most requests held in the router queue (requests); one more gets 429."""
+    action_interval_s: float = Field(default=0.02, gt=0)
+    """While requests are held, the policy decides again every this often (s), as in the simulator."""
+    hold_idle_limit_s: float = Field(default=1.0, gt=0)
+    """A policy that holds while every candidate instance is idle for this long is
+    overridden by round robin (s): holding an idle cluster would never end."""
+    no_endpoint_grace_s: float = Field(default=0.0, ge=0)
+    """How long a request may wait in the queue for a ready endpoint (s). 0 = answer 503
+    at once when none is ready (llm-d's choice); > 0 rides out a short rollout gap."""
+    decisions_kept: int = Field(default=1000, ge=1)
+    """Decision records kept for ``ListDecisions`` (newest)."""
+
+
+class StateConfig(_Model):
+    """Instance state from the sidecars."""
+
+    max_age_s: float = Field(default=2.0, gt=0)
+    """A sidecar snapshot older than this (s, since it was received) is stale: the instance is
+    then seen through routerd's own bookkeeping only. Must exceed the sidecar's scrape
+    interval (llm-d-router#2408). Default: llm-d's 2 s metrics staleness threshold."""
+    min_interval_s: float = Field(default=0.0, ge=0)
+    """Shortest interval between two updates asked of each sidecar (s); 0 = every scrape."""
+
+
+class UpstreamConfig(_Model):
+    """The connections to the instances."""
+
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    """TCP connect timeout (s)."""
+    response_timeout_s: float = Field(default=600.0, gt=0)
+    """Time from sending the request to the response headers (s). A non-streaming vLLM
+    response sends its headers only when the whole generation is done."""
+    read_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest gap between two reads of a response body (s)."""
+    max_retries: int = Field(default=2, ge=0)
+    """Retries on other instances when one fails before sending its first byte."""
+    connection_limit: int = Field(default=4096, ge=1)
+    """Connection pool size over all instances."""
+    failure_cooldown_s: float = Field(default=1.0, ge=0)
+    """After a failed connect, the instance gets no new requests for this long (s), doubling
+    on each further failure up to 30 s (while another instance is available)."""
+
+
+class ReloadConfig(_Model):
+    """Hot reload of the configuration file (also on SIGHUP)."""
+
+    watch: bool = True
+    """Poll the file's modification time and reload when it changes."""
+    poll_interval_s: float = Field(default=1.0, gt=0)
+
+
+class Settings(_Model):
+    """Everything ``phasewise serve`` is configured with."""
+
+    http: ListenConfig = Field(default_factory=ListenConfig)
+    """The OpenAI-compatible HTTP front, ``/metrics``, ``/healthz`` and ``/readyz``."""
+    grpc: GrpcConfig = Field(default_factory=GrpcConfig)
+    models: list[str] = Field(default_factory=list)
+    """Served model names. Empty: any model the sidecars report, or any model at all
+    while they report none."""
+    endpoints: list[EndpointConfig] = Field(default_factory=list)
+    """Static instances (in addition to Kubernetes discovery, if enabled)."""
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    profile: str = "llama2-7b-v100"
+    """Hardware profile (name or YAML path): KV blocks, max_num_seqs and decode speed the
+    policies reason with."""
+    predictor: str = "none"
+    """Decode-length predictor: ``none`` (no prediction), a baseline name (``majority``,
+    ``task-prior``, ``length-only``, ``length+task``: fitted at start-up on the prompt data)
+    or a folder saved by ``phasewise predictor train``."""
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    state: StateConfig = Field(default_factory=StateConfig)
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
+    """Largest request body accepted (bytes); larger gets 413."""
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM, how long queued and in-flight requests may take to finish (s)."""
+    reload: ReloadConfig = Field(default_factory=ReloadConfig)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
+    """``auto`` uses uvloop when it is installed."""
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "Settings":
+        seen: dict[str, int] = {}
+        for i, ep in enumerate(self.endpoints):
+            if ep.name in seen:
+                raise _PathError(("endpoints", i, "name"), f"duplicate endpoint name {ep.name!r} "
+                                 f"(also endpoints[{seen[ep.name]}])")
+            seen[ep.name] = i
+        for i, m in enumerate(self.models):
+            if not m:
+                raise _PathError(("models", i), "model name must not be empty")
+        return self
+
+
+class _PathError(ValueError):
+    """A cross-field error that knows the path of the field at fault."""
+
+    def __init__(self, loc: tuple, msg: str) -> None:
+        super().__init__(msg)
+        self.loc = loc
+
+
+def format_loc(loc: tuple) -> str:
+    """``('endpoints', 2, 'url')`` -> ``endpoints[2].url``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _deep_merge(base: dict, over: Mapping) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _has_path(data: Any, loc: tuple) -> bool:
+    for part in loc:
+        if isinstance(data, Mapping) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and 0 <= part < len(data):
+            data = data[part]
+        else:
+            return False
+    return True
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML config file ({} for an empty file).
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML (with line and column) or a top level
+            that is not a mapping.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config {p}: cannot read: {e.strerror if isinstance(e, OSError) else e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config {p}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {p}: the top level must be a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Settings given as ``PHASEWISE_*`` environment variables (nested with ``__``).
+
+    Raises:
+        ConfigError: a variable for a list or object field that is not valid JSON.
+    """
+    from pydantic_settings import EnvSettingsSource
+    from pydantic_settings.exceptions import SettingsError
+
+    src = EnvSettingsSource(Settings, env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTED_DELIMITER,
+                            case_sensitive=False)
+    if environ is not None:
+        src.env_vars = {k.lower(): v for k, v in environ.items()}
+    try:
+        return src()
+    except SettingsError as e:
+        raise ConfigError(f"environment: {e}") from None
+
+
+def load_settings(
+    path: str | Path | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    override_flags: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Settings from the YAML file ``path`` (optional), the environment and ``overrides``.
+
+    Args:
+        path: YAML config file, or None for defaults + environment + overrides.
+        overrides: nested values from command-line flags (highest precedence).
+        override_flags: top-level override key -> the flag that set it, for messages.
+        environ: environment to read (default ``os.environ``).
+
+    Raises:
+        ConfigError: naming the file, variable or flag and the field path of the first error.
+    """
+    file_data = read_yaml(path) if path is not None else {}
+    env_data = read_env(os.environ if environ is None else environ)
+    data = _deep_merge(_deep_merge(file_data, env_data), overrides or {})
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(err["loc"])
+        ctx_err = (err.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, _PathError):
+            loc, msg = loc + ctx_err.loc if loc else ctx_err.loc, str(ctx_err)
+        else:
+            msg = err["msg"]
+            if msg.startswith("Value error, "):
+                msg = msg[len("Value error, "):]
+        raise ConfigError(f"{_source_of(loc, path, env_data, overrides, override_flags)}: "
+                          f"{format_loc(loc)}: {msg}") from None
+
+
+def _source_of(loc: tuple, path, env_data, overrides, override_flags) -> str:
+    if overrides and loc and _has_path(overrides, loc[:1]):
+        flag = (override_flags or {}).get(str(loc[0]))
+        return f"flag {flag}" if flag else "command line"
+    for n in range(len(loc), 0, -1):
+        if _has_path(env_data, loc[:n]) and all(isinstance(p, str) for p in loc[:n]):
+            return "environment variable " + ENV_PREFIX + ENV_NESTED_DELIMITER.join(str(p).upper() for p in loc[:n])
+    return f"config {path}" if path is not None else "configuration"
+

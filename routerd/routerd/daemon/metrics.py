@@ -1,0 +1,149 @@
+"""routerd's Prometheus metrics (``phasewise_*``), in a registry of their own per daemon.
+
+Per-endpoint series are resolved once per endpoint (:class:`EndpointMetrics`) so the
+request path does not look labels up, and removed when the endpoint leaves
+(production-stack#888: removed endpoints must not keep exporting series).
+
+Latency buckets cover 1 ms to 10 min: TTFT and TPOT of a healthy instance sit in the
+10-500 ms range; E2E of long generations reaches minutes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
+                    20.48, 40.96, 81.92, 163.84, 327.68, 655.36)
+_TPOT_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
+                 0.3, 0.5, 1.0, 2.5)
+_DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
+
+#: Label values of ``phasewise_fallbacks_total{reason}``.
+FALLBACK_REASONS = ("policy_error", "policy_fallback", "stale_state", "hold_idle", "invalid_choice")
+
+
+class EndpointMetrics:
+    """The label children of one endpoint (resolved once)."""
+
+    __slots__ = ("decisions", "in_flight", "err_connect", "err_status", "err_stream", "err_timeout", "ready",
+                 "state_stale")
+
+    def __init__(self, m: "Metrics", name: str, in_flight: Callable[[], float]) -> None:
+        self.decisions = m.decisions.labels(name)
+        self.in_flight = m.in_flight.labels(name)
+        self.in_flight.set_function(in_flight)
+        self.err_connect = m.upstream_errors.labels(name, "connect")
+        self.err_status = m.upstream_errors.labels(name, "status")
+        self.err_stream = m.upstream_errors.labels(name, "stream")
+        self.err_timeout = m.upstream_errors.labels(name, "timeout")
+        self.ready = m.endpoint_ready.labels(name)
+        self.state_stale = m.endpoint_state_stale.labels(name)
+
+
+class Metrics:
+    """Every routerd metric, registered in ``self.registry``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter("phasewise_requests", "HTTP inference requests answered, by status code.",
+                                ["code"], registry=r)
+        self.rejections = Counter("phasewise_rejections",
+                                  "Requests refused before dispatch, by reason (queue_full, no_endpoint, draining, "
+                                  "bad_request, not_found, too_large).", ["reason"], registry=r)
+        self.e2e = Histogram("phasewise_request_e2e_seconds",
+                             "End-to-end latency from arrival at routerd to the last byte (s).",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("phasewise_request_ttft_seconds",
+                              "Time to first token: arrival at routerd to the first streamed event (s).",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("phasewise_request_tpot_seconds",
+                              "Time per output token after the first: (E2E - TTFT) / (tokens - 1) (s).",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.queue_depth = Gauge("phasewise_router_queue_depth", "Requests held in the router queue.", registry=r)
+        self.router_wait = Histogram("phasewise_router_wait_seconds",
+                                     "Time a request spent in the router queue before dispatch (s).",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.decision_time = Histogram("phasewise_decision_seconds",
+                                       "Time the policy took for one decision (s).",
+                                       buckets=_DECISION_BUCKETS, registry=r)
+        self.decisions = Counter("phasewise_decisions", "Dispatch decisions per endpoint.", ["endpoint"],
+                                 registry=r)
+        self.holds = Counter("phasewise_holds", "Policy decisions that held the queue head.", registry=r)
+        self.fallbacks = Counter("phasewise_fallbacks",
+                                 "Round-robin fail-open decisions, by reason: policy_error (it raised), "
+                                 "policy_fallback (it fell back itself, e.g. dqn on another instance count), "
+                                 "stale_state (every candidate's sidecar state is stale), hold_idle (it held "
+                                 "an idle cluster too long), invalid_choice.", ["reason"], registry=r)
+        self.in_flight = Gauge("phasewise_in_flight_requests",
+                               "Requests dispatched to the endpoint and not finished.", ["endpoint"], registry=r)
+        self.predicted_vs_actual = Counter("phasewise_predicted_bucket",
+                                           "Finished requests by predicted and actual decode bucket.",
+                                           ["predicted", "actual"], registry=r)
+        self.upstream_errors = Counter("phasewise_upstream_errors",
+                                       "Upstream failures by endpoint and kind (connect, status = 5xx answer, "
+                                       "stream = broken after the first byte, timeout).",
+                                       ["endpoint", "kind"], registry=r)
+        self.retries = Counter("phasewise_upstream_retries",
+                               "Requests re-sent to another endpoint after a failure before the first byte.",
+                               registry=r)
+        self.client_disconnects = Counter("phasewise_client_disconnects",
+                                          "Requests whose client went away before the answer ended.", registry=r)
+        self.prompt_tokens = Counter("phasewise_prompt_tokens", "Prompt tokens of dispatched requests (estimate).",
+                                     registry=r)
+        self.generation_tokens = Counter("phasewise_generation_tokens", "Output tokens of finished requests.",
+                                         registry=r)
+        self.endpoint_ready = Gauge("phasewise_endpoint_ready", "1 while the endpoint takes new requests.",
+                                    ["endpoint"], registry=r)
+        self.endpoint_state_stale = Gauge("phasewise_endpoint_state_stale",
+                                          "1 while the endpoint's sidecar state is stale or missing.",
+                                          ["endpoint"], registry=r)
+        self.grpc_unreported = Counter("phasewise_grpc_unreported",
+                                       "gRPC-routed requests released by timeout without a ReportCompletion.",
+                                       registry=r)
+        self.reloads = Counter("phasewise_config_reloads", "Configuration reloads, by result.", ["result"],
+                               registry=r)
+        self.fallback_children = {reason: self.fallbacks.labels(reason) for reason in FALLBACK_REASONS}
+        self._bucket_children: dict[tuple[str, str], Counter] = {}
+        self._code_children: dict[int, Counter] = {}
+        self._reject_children: dict[str, Counter] = {}
+
+    def endpoint(self, name: str, in_flight: Callable[[], float]) -> EndpointMetrics:
+        """Create the series of endpoint ``name``; ``in_flight()`` is read at each scrape."""
+        return EndpointMetrics(self, name, in_flight)
+
+    def remove_endpoint(self, name: str) -> None:
+        """Delete every series labelled with endpoint ``name``."""
+        for metric in (self.decisions, self.in_flight, self.endpoint_ready, self.endpoint_state_stale):
+            try:
+                metric.remove(name)
+            except KeyError:
+                pass
+        for kind in ("connect", "status", "stream", "timeout"):
+            try:
+                self.upstream_errors.remove(name, kind)
+            except KeyError:
+                pass
+
+    def count_response(self, code: int) -> None:
+        """Count one answered HTTP request with status ``code``."""
+        c = self._code_children.get(code)
+        if c is None:
+            c = self._code_children[code] = self.requests.labels(str(code))
+        c.inc()
+
+    def count_rejection(self, reason: str) -> None:
+        """Count one request refused before dispatch for ``reason``."""
+        c = self._reject_children.get(reason)
+        if c is None:
+            c = self._reject_children[reason] = self.rejections.labels(reason)
+        c.inc()
+
+    def count_bucket(self, predicted: int | None, actual: int) -> None:
+        """Count one finished request by predicted (None = no prediction) and actual bucket."""
+        key = ("none" if predicted is None else str(predicted), str(actual))
+        c = self._bucket_children.get(key)
+        if c is None:
+            c = self._bucket_children[key] = self.predicted_vs_actual.labels(*key)
+        c.inc()

@@ -1,0 +1,577 @@
+"""The OpenAI-compatible HTTP front of routerd (aiohttp) and the relay to the instances.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true or
+false), ``GET /v1/models``, ``GET /metrics``, ``/healthz``, ``/readyz``. Errors use the
+OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: 400 malformed JSON or a
+missing field, 404 unknown model or route, 413 body over ``max_body_bytes``, 429 router
+queue full, 502/504 upstream failure or timeout, 503 no ready endpoint or draining
+(with ``x-phasewise-reject-reason``), never 500.
+
+The request body is forwarded unchanged. A streamed answer is relayed chunk by chunk as
+it arrives; generated tokens are counted by complete ``\\n\\n``-terminated SSE events
+with bytes operations, even when an event is split across network chunks, and the
+final ``usage`` event (``stream_options.include_usage``), if any, gives the exact count.
+A non-streamed answer gives ``usage.completion_tokens``.
+
+A retry goes to another instance only when the upstream failed before sending its first
+byte (connection refused or reset before the response headers). A client that goes away
+cancels the handler (aiohttp ``handler_cancellation``), which closes the upstream
+connection so vLLM aborts the generation, for streaming and non-streaming requests alike
+(production-stack#634). Every path ends in :meth:`Router.finish` (try/finally).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from routerd.daemon.router import RejectedError
+from routerd.daemon.upstream import Exchange, UpstreamError, UpstreamPool, UpstreamTimeout
+from routerd.tokens import chat_prompt_text, count_text_tokens
+
+if TYPE_CHECKING:
+    from routerd.daemon.app import Daemon
+
+log = logging.getLogger("routerd.proxy")
+
+#: Request header carrying the task label for the length predictor (optional).
+TASK_HEADER = "x-phasewise-task"
+#: Response header naming why routerd refused a request (llm-d's drop-reason header).
+REASON_HEADER = "x-phasewise-reject-reason"
+
+_HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+    "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "expect",
+})
+_RESPONSE_DROP = frozenset({
+    "connection", "keep-alive", "transfer-encoding", "content-length", "date", "server", "upgrade", "trailer",
+})
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_DONE = b"data: [DONE]"
+_POST_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
+    """An OpenAI-style error object as JSON bytes."""
+    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI-style JSON error response."""
+    return web.Response(status=status, body=error_body(message, type_, param, code),
+                        content_type="application/json", headers=headers)
+
+
+class BadRequest(Exception):
+    """A request that fails validation; answered 400 (or ``status``)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.code = code
+        self.type_ = type_
+
+
+def prompt_tokens_of(kind: str, payload: dict) -> tuple[int, str | None]:
+    """(estimated prompt tokens, prompt text for the predictor or None) of a request body.
+
+    Raises:
+        BadRequest: ``prompt`` / ``messages`` missing or of the wrong type.
+    """
+    if kind == "chat":
+        messages = payload.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty array of message objects", "messages")
+        try:
+            text = chat_prompt_text(messages)
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from None
+        return count_text_tokens(text), text
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        return count_text_tokens(prompt), prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return sum(count_text_tokens(p) for p in prompt), "\n".join(prompt)
+        if all(type(p) is int for p in prompt):
+            return len(prompt), None
+        if all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt):
+            return sum(len(p) for p in prompt), None
+    raise BadRequest("'prompt' must be a string, an array of strings, or an array of token ids", "prompt")
+
+
+def final_usage_tokens(tail: bytes) -> int | None:
+    """``usage.completion_tokens`` of the last SSE data event before ``[DONE]`` in ``tail``, if any."""
+    for ev in reversed(tail.split(b"\n\n")):
+        ev = ev.strip()
+        if not ev.startswith(b"data:"):
+            continue
+        payload = ev[5:].strip()
+        if payload == b"[DONE]":
+            continue
+        if b'"usage"' not in payload:
+            return None
+        try:
+            usage = json.loads(payload).get("usage")
+        except (ValueError, AttributeError):
+            return None
+        ct = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        return ct if type(ct) is int and ct >= 0 else None
+    return None
+
+
+class _StreamRelay:
+    """The per-chunk path of a streamed answer: count SSE events, write to the client, flow control.
+
+    Runs inside the upstream connection's ``data_received``: no coroutine switch per chunk.
+    Events are counted as ``\\n\\n`` terminators, carrying a ``\\n`` that ends one chunk into
+    the next, so an event split across network chunks counts once.
+    """
+
+    __slots__ = ("ctr", "chunked", "ex", "ep", "r", "events", "prev_nl", "at_boundary", "t_first", "t1", "t2",
+                 "client_gone", "paused", "_poll")
+
+    #: Client write buffer above which the upstream is paused (bytes; 262144 in ``sink``), and
+    #: below which it resumes.
+    HIGH_WATER = 256 * 1024
+    LOW_WATER = 64 * 1024
+
+    def __init__(self, ctr, chunked: bool, ex: Exchange, ep, r) -> None:
+        self.ctr = ctr
+        self.chunked = chunked
+        self.ex = ex
+        self.ep = ep
+        self.r = r
+        self.events = 0
+        self.prev_nl = False
+        self.at_boundary = True
+        self.t_first: float | None = None
+        self.t1 = self.t2 = b""
+        self.client_gone = False
+        self.paused = False
+        self._poll: asyncio.TimerHandle | None = None
+
+    def sink(self, piece: bytes) -> None:
+        if self.t_first is None:
+            self.t_first = time.monotonic()
+            self.ep.on_first_token(self.r)
+        n = piece.count(b"\n\n")
+        last_nl = piece[-1] == 10
+        if self.prev_nl and piece[0] == 10:
+            n += 1
+            self.at_boundary = last_nl and (len(piece) == 1 or piece[-2] == 10)
+        elif n:
+            self.at_boundary = last_nl and piece[-2] == 10
+        else:
+            self.at_boundary = False
+        if n:
+            self.events += n
+            self.ep.on_tokens(self.r, n)
+        self.prev_nl = last_nl
+        self.t1 = self.t2
+        self.t2 = piece
+        ctr = self.ctr
+        if ctr.is_closing():
+            # The client went away: drop the upstream connection so the instance aborts.
+            self.client_gone = True
+            self.ex.abort()
+            self.ex.conn._fail(UpstreamError("client went away"))
+            return
+        if self.chunked:
+            ctr.writelines((b"%x\r\n" % len(piece), piece, b"\r\n"))
+        else:
+            ctr.write(piece)
+        if ctr.get_write_buffer_size() > 262144 and not self.paused:
+            self.paused = True
+            self.ex.pause()
+            self._poll = asyncio.get_running_loop().call_later(0.01, self._check_drained)
+
+    def _check_drained(self) -> None:
+        self._poll = None
+        ctr = self.ctr
+        if ctr.is_closing():
+            self.client_gone = True
+            self.ex.abort()
+            self.ex.conn._fail(UpstreamError("client went away"))
+        elif ctr.get_write_buffer_size() <= self.LOW_WATER:
+            self.paused = False
+            self.ex.resume()
+        else:
+            self._poll = asyncio.get_running_loop().call_later(0.01, self._check_drained)
+
+    def tail(self) -> bytes:
+        """The last two reads relayed: the final usage event and ``[DONE]``, even in separate reads."""
+        return self.t1 + self.t2
+
+    def close(self) -> None:
+        if self._poll is not None:
+            self._poll.cancel()
+            self._poll = None
+
+
+class Proxy:
+    """Request handlers bound to one :class:`~routerd.daemon.app.Daemon`."""
+
+    def __init__(self, daemon: "Daemon") -> None:
+        self.d = daemon
+        self.pool: UpstreamPool | None = None
+        self.max_body_bytes = daemon.settings.max_body_bytes
+
+    # -- lifecycle ---------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        """The aiohttp application (routes only; the daemon runs it)."""
+        self.max_body_bytes = self.d.settings.max_body_bytes
+        app = web.Application(client_max_size=self.max_body_bytes)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_route("*", "/{tail:.*}", self.not_found)
+        return app
+
+    async def open_pool(self) -> None:
+        """Create the upstream connection pool (keep-alive, TCP_NODELAY)."""
+        self.pool = UpstreamPool(**self.pool_settings())
+
+    def pool_settings(self) -> dict[str, Any]:
+        """Pool limits and timeouts from the settings."""
+        up = self.d.settings.upstream
+        return {"limit": up.connection_limit, "connect_timeout_s": up.connect_timeout_s,
+                "read_timeout_s": up.read_timeout_s}
+
+    def reconfigure(self) -> None:
+        """Apply new upstream settings to the pool (hot reload)."""
+        if self.pool is not None:
+            for k, v in self.pool_settings().items():
+                setattr(self.pool, k, v)
+
+    async def close(self) -> None:
+        """Close the upstream connections."""
+        if self.pool is not None:
+            await self.pool.close()
+            self.pool = None
+
+    # -- small routes ------------------------------------------------------------
+    async def not_found(self, request: web.Request) -> web.Response:
+        if request.path in _POST_ROUTES or request.path == "/v1/models":
+            return error_response(405, f"method {request.method} not allowed on {request.path}",
+                                  "invalid_request_error", code="method_not_allowed")
+        return error_response(404, f"unknown route {request.method} {request.path}", "invalid_request_error",
+                              code="not_found")
+
+    async def models(self, request: web.Request) -> web.Response:
+        names = self.d.model_names()
+        if not names:
+            # Nothing configured and no sidecar state yet: ask an instance.
+            names = await self._models_from_an_instance()
+        created = int(self.d.started_at_unix)
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "phasewise"} for m in names]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _models_from_an_instance(self) -> list[str]:
+        pool = self.pool
+        for ep in self.d.router.endpoints:
+            if not ep.ready or pool is None:
+                continue
+            try:
+                async with asyncio.timeout(2.0):
+                    ex = await pool.request(ep.target, "/v1/models", [("Accept", "application/json")], b"",
+                                            method="GET")
+                    try:
+                        body = await ex.read()
+                    finally:
+                        ex.release()
+                listed = json.loads(body).get("data", []) if ex.status == 200 else []
+                names = [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            except (UpstreamError, TimeoutError, ValueError, AttributeError):
+                continue
+            if names:
+                return names
+        return []
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self.d.refresh_gauges()
+        return web.Response(body=generate_latest(self.d.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        ready, why = self.d.readiness()
+        return web.json_response({"status": "ready" if ready else "not ready", "reason": why},
+                                 status=200 if ready else 503)
+
+    # -- inference routes --------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._guarded(request, "completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._guarded(request, "chat")
+
+    async def _guarded(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            return await self._handle(request, kind)
+        except (asyncio.CancelledError, web.HTTPException):
+            raise
+        except Exception:  # a routerd bug: say so in the OpenAI shape (bookkeeping was released)
+            log.exception("internal error on %s", request.path)
+            self.d.metrics.count_response(500)
+            return error_response(500, "internal error in routerd", "server_error", code="internal_error")
+
+    def _refuse(self, status: int, message: str, type_: str, reason: str, code: str | None = None,
+                param: str | None = None, retry_after: bool = False) -> web.Response:
+        d = self.d
+        d.metrics.count_rejection(reason)
+        d.metrics.count_response(status)
+        headers = {REASON_HEADER: reason}
+        if retry_after:
+            headers["Retry-After"] = "1"
+        return error_response(status, message, type_, param, code or reason, headers)
+
+    async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
+        d = self.d
+        t0 = time.monotonic()
+        if d.router.draining:
+            return self._refuse(503, "routerd is shutting down", "service_unavailable_error", "draining",
+                                retry_after=True)
+        limit = self.max_body_bytes
+        cl = request.content_length
+        if cl is not None and cl > limit:
+            return self._refuse(413, f"request body is {cl} bytes; the limit is {limit}", "invalid_request_error",
+                                "too_large", code="request_too_large")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._refuse(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error",
+                                "too_large", code="request_too_large")
+        except (aiohttp.ClientError, ConnectionError, ValueError) as e:
+            return self._refuse(400, f"could not read the request body: {e}", "invalid_request_error",
+                                "bad_request", code="invalid_body")
+        try:
+            payload, stream, prompt_tokens, prompt_text = self._validate(kind, body)
+        except BadRequest as e:
+            reason = "not_found" if e.status == 404 else "bad_request"
+            return self._refuse(e.status, str(e), e.type_, reason, code=e.code, param=e.param)
+        task = request.headers.get(TASK_HEADER)
+        mt = payload.get("max_tokens", payload.get("max_completion_tokens"))
+        bucket = await d.predict(prompt_text, prompt_tokens, task, mt if type(mt) is int else None)
+        router = d.router
+        r = router.new_request(prompt_tokens, bucket, task)
+        try:
+            ep = await router.dispatch(r)
+        except RejectedError as e:
+            return self._refuse(e.status, str(e), e.error_type, e.reason, retry_after=True)
+        except asyncio.CancelledError:
+            # The client went away while its request was queued (the router unbooked it).
+            d.metrics.client_disconnects.inc()
+            d.metrics.count_response(499)
+            raise
+        d.metrics.prompt_tokens.inc(prompt_tokens)
+        try:
+            return await self._forward(request, kind, body, stream, r, ep, t0)
+        finally:
+            router.finish(r)
+
+    def _validate(self, kind: str, body: bytes) -> tuple[dict, bool, int, str | None]:
+        if not body:
+            raise BadRequest("request body is empty; expected a JSON object")
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(payload, dict):
+            raise BadRequest("request body must be a JSON object", code="invalid_json")
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequest("'model' is required and must be a non-empty string", "model")
+        if not self.d.model_allowed(model):
+            raise BadRequest(f"the model {model!r} does not exist; see GET /v1/models", "model", status=404,
+                             code="model_not_found")
+        stream = payload.get("stream", False)
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise BadRequest("'stream' must be a boolean", "stream")
+        tokens, text = prompt_tokens_of(kind, payload)
+        return payload, stream, tokens, text
+
+    @staticmethod
+    def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
+        h = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
+        h.append(("Accept-Encoding", "identity"))
+        return h
+
+    async def _forward(self, request: web.Request, kind: str, body: bytes, stream: bool, r, ep,
+                       t0: float) -> web.StreamResponse:
+        d = self.d
+        router = d.router
+        metrics = d.metrics
+        pool = self.pool
+        assert pool is not None
+        path = request.path
+        headers = self._upstream_headers(request)
+        tried: set[str] = set()
+        retries = 0
+        while True:
+            try:
+                ex = await pool.request(ep.target, path, headers, body)
+                break
+            except asyncio.CancelledError:
+                metrics.client_disconnects.inc()
+                metrics.count_response(499)
+                raise
+            except UpstreamTimeout:
+                ep.m.err_timeout.inc()
+                metrics.count_response(504)
+                return error_response(504, f"instance {ep.name} did not answer in time", "upstream_error",
+                                      code="upstream_timeout")
+            except UpstreamError as e:
+                if not e.before_first_byte:
+                    ep.m.err_stream.inc()
+                    metrics.count_response(502)
+                    return error_response(502, f"instance {ep.name} sent a broken answer: {e}", "upstream_error",
+                                          code="upstream_error")
+                err = e
+            # Failed before the first byte: the instance never answered; try another one.
+            ep.m.err_connect.inc()
+            router.note_connect_failure(ep)
+            log.warning("instance %s (%s): %s", ep.name, ep.url, err)
+            tried.add(ep.name)
+            router.finish(r)
+            if retries >= d.settings.upstream.max_retries or not router.has_candidate(tried):
+                metrics.count_response(502)
+                return error_response(502, f"no instance could be reached (last: {ep.name}: {err})",
+                                      "upstream_error", code="upstream_unreachable")
+            retries += 1
+            metrics.retries.inc()
+            r.reset_for_retry()
+            try:
+                ep = await router.dispatch(r, frozenset(tried))
+            except RejectedError as e:
+                return self._refuse(e.status, str(e), e.error_type, e.reason, retry_after=True)
+            except asyncio.CancelledError:
+                metrics.client_disconnects.inc()
+                metrics.count_response(499)
+                raise
+        router.note_success(ep)
+        try:
+            status = ex.status
+            if status >= 500:
+                ep.m.err_status.inc()
+            if stream and status == 200 and ex.content_type == "text/event-stream":
+                return await self._relay_stream(request, ex, r, ep, t0)
+            return await self._relay_body(ex, r, ep, t0)
+        except asyncio.CancelledError:
+            metrics.client_disconnects.inc()
+            metrics.count_response(499)
+            raise
+        finally:
+            # Not read to the end (client gone, error): closing the connection makes vLLM abort.
+            ex.release()
+
+    @staticmethod
+    def _response_headers(ex: Exchange) -> CIMultiDict:
+        h = CIMultiDict()
+        for k, v in ex.headers:
+            if k.lower() not in _RESPONSE_DROP:
+                h.add(k, v)
+        return h
+
+    async def _relay_body(self, ex: Exchange, r, ep, t0: float) -> web.StreamResponse:
+        d = self.d
+        try:
+            data = await ex.read()
+        except UpstreamError as e:
+            (ep.m.err_timeout if isinstance(e, UpstreamTimeout) else ep.m.err_stream).inc()
+            d.metrics.count_response(502)
+            return error_response(502, f"instance {ep.name} broke off its answer: {e}", "upstream_error",
+                                  code="upstream_error")
+        status = ex.status
+        if status == 200:
+            m = _COMPLETION_TOKENS.search(data)
+            tokens = int(m.group(1)) if m else 0
+            ep.on_first_token(r)
+            ep.on_tokens(r, tokens)
+            d.observe_finished(r, t0, None, tokens)
+        d.metrics.count_response(status)
+        return web.Response(body=data, status=status, headers=self._response_headers(ex))
+
+    async def _relay_stream(self, request: web.Request, ex: Exchange, r, ep, t0: float) -> web.StreamResponse:
+        d = self.d
+        resp = web.StreamResponse(status=ex.status, headers=self._response_headers(ex))
+        if request.version >= (1, 1):
+            resp.enable_chunked_encoding()
+        ctr = request.transport
+        try:
+            await resp.prepare(request)
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            ctr = None
+        if ctr is None or ctr.is_closing():
+            d.metrics.client_disconnects.inc()
+            d.metrics.count_response(499)
+            return resp
+        relay = _StreamRelay(ctr, resp.chunked, ex, ep, r)
+        try:
+            await ex.relay(relay.sink)
+        except UpstreamError as e:
+            if relay.client_gone:
+                d.metrics.client_disconnects.inc()
+                d.metrics.count_response(499)
+                return resp
+            # The instance broke off mid-stream: nothing can be retried after the first byte.
+            (ep.m.err_timeout if isinstance(e, UpstreamTimeout) else ep.m.err_stream).inc()
+            log.warning("instance %s broke off a stream: %s", ep.name, e)
+            d.metrics.count_response(502)
+            await self._end_broken_stream(request, resp, relay.at_boundary, ep.name)
+            return resp
+        finally:
+            relay.close()
+        if relay.client_gone:
+            d.metrics.client_disconnects.inc()
+            d.metrics.count_response(499)
+            return resp
+        tail = relay.tail()
+        tokens = final_usage_tokens(tail)
+        if tokens is None:
+            tokens = relay.events - (1 if _DONE in tail else 0)
+            if tokens < 0:
+                tokens = 0
+        d.observe_finished(r, t0, relay.t_first, tokens)
+        d.metrics.count_response(200)
+        try:
+            await resp.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            pass
+        return resp
+
+    async def _end_broken_stream(self, request: web.Request, resp: web.StreamResponse, at_boundary: bool,
+                                 name: str) -> None:
+        """Tell the client its stream broke: an SSE error event (vLLM's way) at an event boundary,
+        else drop the connection (a half-sent event cannot be completed)."""
+        if at_boundary:
+            event = b"data: " + error_body(f"instance {name} broke off the stream", "upstream_error",
+                                           code="upstream_stream_broken") + b"\n\n"
+            try:
+                await resp.write(event)
+                await resp.write_eof()
+                return
+            except (ConnectionError, aiohttp.ClientConnectionResetError):
+                return
+        tr = request.transport
+        if tr is not None:
+            tr.abort()

@@ -1,0 +1,527 @@
+"""The decision core of routerd, free of HTTP and gRPC: router queue, policy calls, bookkeeping.
+
+Requests wait in one bounded FIFO router queue. The policy decides on the queue head
+when a request arrives, after every completion, and every ``action_interval_s`` while
+requests are held (the simulator's rule, ``routerd.sim.cluster``), so a policy may hold
+(``pick`` returns None; ``late_binding``, ``dqn``). Only ready endpoints are candidates.
+
+Fail open: when the policy raises, returns something that is not a candidate, or every
+candidate's sidecar state is stale, the request goes round robin and
+``phasewise_fallbacks_total{reason}`` counts it. A policy that keeps holding while every
+candidate is idle for ``hold_idle_limit_s`` is overridden the same way.
+
+Status codes follow llm-d-router#2046: 429 when the queue is full (back-pressure),
+503 when no endpoint is ready (at once, or after ``no_endpoint_grace_s``) or while
+draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import operator
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from routerd.errors import ConfigError
+from routerd.model import PREDICTOR_BUCKET_EDGES, bucket_mid_tokens
+from routerd.policies.base import ClusterView, PolicyContext, RequestFeatures, RoutingPolicy
+from routerd.daemon.discovery import DiscoveredEndpoint
+from routerd.daemon.state import EndpointState, Inflight, url_target
+
+if TYPE_CHECKING:
+    from routerd.daemon.config import PolicyConfig, RouterConfig
+    from routerd.daemon.metrics import Metrics
+    from routerd.profiles import HardwareProfile
+
+log = logging.getLogger("routerd.router")
+
+#: Longest connect-failure cooldown of an endpoint (s).
+MAX_COOLDOWN_S = 30.0
+
+
+class RejectedError(Exception):
+    """A request the router will not dispatch; ``status`` is the HTTP code to answer."""
+
+    status = 503
+    reason = "unavailable"
+    error_type = "service_unavailable"
+
+
+class QueueFullError(RejectedError):
+    """The router queue holds ``queue_limit`` requests already."""
+
+    status = 429
+    reason = "queue_full"
+    error_type = "rate_limit_exceeded"
+
+
+class NoEndpointError(RejectedError):
+    """No endpoint is ready to take the request."""
+
+    reason = "no_endpoint"
+
+
+class DrainingError(RejectedError):
+    """routerd is shutting down and takes no new requests."""
+
+    reason = "draining"
+
+
+def build_routing_policy(cfg: "PolicyConfig", profile: "HardwareProfile", num_endpoints: int,
+                         bucket_edges: tuple[int, ...] = PREDICTOR_BUCKET_EDGES) -> RoutingPolicy:
+    """The policy named in ``cfg`` for a cluster of ``num_endpoints`` instances.
+
+    A ``dqn`` policy is built for its checkpoint's instance count whatever the current
+    count: while the live count differs it routes round robin itself (counted in its
+    ``fallbacks``) instead of refusing to start when an endpoint leaves or joins.
+
+    Raises:
+        ConfigError: unknown policy, invalid parameter, unusable checkpoint (``policy: ...``).
+    """
+    from routerd.policies.registry import PolicyError, build_policy
+
+    n = max(1, num_endpoints)
+    if cfg.name == "dqn":
+        from routerd.policies.dqn.checkpoint import DEFAULT_CHECKPOINT, CheckpointError, load_checkpoint
+
+        try:
+            n = load_checkpoint(str(cfg.params.get("checkpoint", DEFAULT_CHECKPOINT))).num_instances
+        except CheckpointError as e:
+            raise ConfigError(f"policy: dqn: {e}") from None
+    ctx = PolicyContext(profile=profile, num_instances=n, bucket_edges=tuple(bucket_edges))
+    try:
+        return build_policy(cfg.name, dict(cfg.params), ctx)
+    except PolicyError as e:
+        raise ConfigError(f"policy: {e}") from None
+
+
+def _as_index(choice: Any) -> int:
+    """A policy's choice as an int (numpy integers are fine); -2 for anything else."""
+    if isinstance(choice, bool):
+        return -2
+    try:
+        return operator.index(choice)
+    except TypeError:
+        return -2
+
+
+class Router:
+    """Router queue, endpoint table and policy; all methods run on one event loop.
+
+    Args:
+        profile: hardware profile of the instances (KV blocks, ``max_num_seqs``).
+        policy: the routing policy; ``policy_name`` labels its decisions.
+        metrics: the daemon's metrics.
+        config: queue limit, action interval, hold and grace limits.
+        state_max_age_s: sidecar snapshots older than this are stale (s).
+        bucket_edges: predictor bucket edges (tokens).
+        clock: monotonic clock (s).
+    """
+
+    def __init__(self, *, profile: "HardwareProfile", policy: RoutingPolicy, policy_name: str,
+                 metrics: "Metrics", config: "RouterConfig", state_max_age_s: float,
+                 bucket_edges: tuple[int, ...] = PREDICTOR_BUCKET_EDGES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.profile = profile
+        self.policy = policy
+        self.policy_name = policy_name
+        self.metrics = metrics
+        self.clock = clock
+        self.bucket_edges = tuple(bucket_edges)
+        self._mids = [bucket_mid_tokens(b, self.bucket_edges) for b in range(len(self.bucket_edges) + 1)]
+        self.endpoints: list[EndpointState] = []
+        self.by_name: dict[str, EndpointState] = {}
+        self.queue: deque[Inflight] = deque()
+        self.decisions: deque[tuple] = deque(maxlen=config.decisions_kept)
+        self.fallbacks_total = 0
+        self.draining = False
+        self._next_id = 0
+        self._rr = -1
+        self._tick: asyncio.TimerHandle | None = None
+        self._idle_hold_since: float | None = None
+        self._policy_fallbacks = getattr(policy, "fallbacks", None)
+        self._idle_waiters: list[asyncio.Future] = []
+        self.failure_cooldown_s = 1.0
+        """First connect-failure cooldown of an endpoint (s); doubles per further failure."""
+        self.on_ready_change: Callable[[], None] | None = None
+        """Called when the number of ready endpoints may have changed (health status)."""
+        # Gauges read at scrape time from the bookkeeping itself: nothing to update per
+        # request, and they cannot drift from it.
+        metrics.queue_depth.set_function(self.queue.__len__)
+        self.configure(config, state_max_age_s)
+
+    # -- configuration -----------------------------------------------------------
+    def configure(self, config: "RouterConfig", state_max_age_s: float) -> None:
+        """Apply queue and timing settings (hot reload keeps queued requests)."""
+        self.queue_limit = config.queue_limit
+        self.action_interval_s = config.action_interval_s
+        self.hold_idle_limit_s = config.hold_idle_limit_s
+        self.no_endpoint_grace_s = config.no_endpoint_grace_s
+        self.state_max_age_s = state_max_age_s
+        if self.decisions.maxlen != config.decisions_kept:
+            self.decisions = deque(self.decisions, maxlen=config.decisions_kept)
+
+    def set_policy(self, policy: RoutingPolicy, name: str) -> None:
+        """Swap the policy; queued and in-flight requests are kept (their bookkeeping is not the policy's)."""
+        self.policy = policy
+        self.policy_name = name
+        self._policy_fallbacks = getattr(policy, "fallbacks", None)
+        self._idle_hold_since = None
+        self._decide()
+
+    def set_endpoints(self, discovered: Sequence[DiscoveredEndpoint]) -> None:
+        """Make the endpoint table match ``discovered`` (the complete current set).
+
+        New endpoints join; known ones take the new URL, state address and readiness;
+        missing ones stop receiving requests at once and are dropped when their in-flight
+        requests have finished. Their metric series go with them.
+        """
+        seen: set[str] = set()
+        for d in discovered:
+            seen.add(d.name)
+            ep = self.by_name.get(d.name)
+            if ep is None:
+                ep = EndpointState(len(self.endpoints), d.name, d.url, d.state_address, d.ready, self.profile)
+                ep.m = self.metrics.endpoint(d.name, ep.requests.__len__)
+                ep.idle_since = self.clock()
+                self.endpoints.append(ep)
+                self.by_name[d.name] = ep
+            else:
+                if ep.state_address != d.state_address:
+                    ep.snapshot = None
+                if ep.url != d.url:
+                    ep.url, ep.target = d.url, url_target(d.url)
+                ep.state_address, ep.ready, ep.removed = d.state_address, d.ready, False
+            ep.m.ready.set(1 if ep.ready else 0)
+        for ep in list(self.endpoints):
+            if ep.name not in seen and not ep.removed:
+                ep.removed = True
+                ep.ready = False
+                ep.m.ready.set(0)
+        self._drop_removed()
+        if self.on_ready_change is not None:
+            self.on_ready_change()
+        self._decide()
+
+    def _drop_removed(self) -> None:
+        gone = [ep for ep in self.endpoints if ep.removed and not ep.requests]
+        if not gone:
+            return
+        for ep in gone:
+            del self.by_name[ep.name]
+            self.metrics.remove_endpoint(ep.name)
+        self.endpoints = [ep for ep in self.endpoints if not (ep.removed and not ep.requests)]
+        for i, ep in enumerate(self.endpoints):
+            ep.index = i
+
+    def update_state(self, name: str, state: Any) -> None:
+        """Store a sidecar ``InstanceState`` for endpoint ``name`` (ignored if unknown)."""
+        ep = self.by_name.get(name)
+        if ep is not None:
+            ep.set_snapshot(state, self.clock())
+            if self.queue:
+                self._decide()
+
+    # -- queries -----------------------------------------------------------------
+    @property
+    def ready_count(self) -> int:
+        """Endpoints that take new requests."""
+        return sum(1 for ep in self.endpoints if ep.ready)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests dispatched and not finished, over all endpoints."""
+        return sum(len(ep.requests) for ep in self.endpoints)
+
+    def has_candidate(self, exclude: frozenset[str] | set[str] = frozenset()) -> bool:
+        """True if some ready endpoint is not in ``exclude``."""
+        for ep in self.endpoints:
+            if ep.ready and ep.name not in exclude:
+                return True
+        return False
+
+    # -- requests ----------------------------------------------------------------
+    def new_request(self, prompt_tokens: int, predicted_bucket: int | None, task: str | None = None,
+                    label: Any = None) -> Inflight:
+        """A request as the router sees it before dispatch (prompt in tokens)."""
+        rid = self._next_id
+        self._next_id = rid + 1
+        now = self.clock()
+        pred = self._mids[predicted_bucket if predicted_bucket is not None else 0]
+        r = Inflight(rid, rid if label is None else label, prompt_tokens, predicted_bucket, pred, now)
+        r.features = RequestFeatures(rid, now, prompt_tokens, predicted_bucket, pred, task)
+        return r
+
+    async def dispatch(self, r: Inflight, exclude: frozenset[str] | set[str] = frozenset()) -> EndpointState:
+        """Queue ``r`` and wait for its endpoint; ``r`` is then in that endpoint's bookkeeping.
+
+        The caller must call :meth:`finish` exactly once afterwards. A retry after a failed
+        connect passes the endpoints to avoid in ``exclude`` and goes to the queue front.
+
+        Raises:
+            QueueFullError, NoEndpointError, DrainingError: the request is not dispatched.
+            asyncio.CancelledError: the caller was cancelled; nothing stays booked.
+        """
+        if self.draining and not exclude:
+            raise DrainingError("routerd is shutting down")
+        q = self.queue
+        if not exclude and len(q) >= self.queue_limit:
+            raise QueueFullError(f"router queue is full ({self.queue_limit} requests)")
+        if self.no_endpoint_grace_s <= 0.0 and not self.has_candidate(exclude):
+            raise NoEndpointError("no ready endpoint")
+        r.exclude = exclude
+        r.enqueued_at = self.clock()
+        r.waiter = None
+        r.error = None
+        if exclude:
+            q.appendleft(r)
+        else:
+            q.append(r)
+        # An arrival is a decision point even when it is not the head (the simulator's rule):
+        # the held head may fit now.
+        self._decide()
+        if r.endpoint is not None and not r.done:
+            return r.endpoint
+        if r.error is not None:
+            raise r.error
+        fut = r.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if r.endpoint is None:
+                try:
+                    q.remove(r)
+                except ValueError:
+                    pass
+                self._maybe_idle()
+            else:
+                self.finish(r)
+            raise
+        if r.error is not None:
+            raise r.error
+        return r.endpoint  # type: ignore[return-value]
+
+    def try_dispatch_now(self, r: Inflight) -> EndpointState | None:
+        """Decide on ``r`` at once without queueing it (the gRPC ``Route``); None = hold.
+
+        A request asks again after a hold; FIFO fairness is kept by holding it while HTTP
+        requests wait in the queue.
+
+        Raises:
+            NoEndpointError, DrainingError.
+        """
+        if self.draining:
+            raise DrainingError("routerd is shutting down")
+        if not self.has_candidate():
+            raise NoEndpointError("no ready endpoint")
+        if self.queue:
+            return None
+        r.exclude = frozenset()
+        r.enqueued_at = r.arrived_at
+        self.queue.append(r)
+        try:
+            self._decide(single=True)
+        finally:
+            if self.queue and self.queue[0] is r:
+                self.queue.popleft()
+        if r.error is not None:
+            raise r.error
+        return r.endpoint
+
+    def finish(self, r: Inflight) -> bool:
+        """Release ``r`` from its endpoint's bookkeeping (every path must call it once).
+
+        Returns False when it was already released. Tells the policy, then decides on the
+        queue head: a completion may free room for a held request.
+        """
+        ep = r.endpoint
+        if ep is None or not ep.remove(r):
+            return False
+        now = self.clock()
+        if not ep.requests:
+            ep.idle_since = now
+            if ep.removed:
+                self._drop_removed()
+        try:
+            self.policy.on_complete(ep.index, r.rid, now)
+        except Exception:  # noqa: BLE001 - a policy bug must not leak the request's bookkeeping
+            log.exception("policy %s: on_complete failed", self.policy_name)
+        if self.queue:
+            self._decide()
+        self._maybe_idle()
+        return True
+
+    def note_connect_failure(self, ep: EndpointState) -> None:
+        """An upstream connect failed: keep new requests off ``ep`` for a doubling cooldown."""
+        ep.connect_failures += 1
+        base = self.failure_cooldown_s
+        if base > 0:
+            ep.down_until = self.clock() + min(MAX_COOLDOWN_S, base * 2 ** (ep.connect_failures - 1))
+            if self.on_ready_change is not None:
+                self.on_ready_change()
+
+    def note_success(self, ep: EndpointState) -> None:
+        """An upstream answered: clear the connect-failure cooldown."""
+        if ep.connect_failures:
+            ep.connect_failures = 0
+            ep.down_until = 0.0
+            if self.on_ready_change is not None:
+                self.on_ready_change()
+
+    # -- the decision loop -------------------------------------------------------
+    def _candidates(self, exclude, now: float) -> list[EndpointState]:
+        cands = [ep for ep in self.endpoints if ep.ready and ep.down_until <= now and ep.name not in exclude]
+        if not cands:
+            # Every ready endpoint is cooling down after connect failures: try them anyway.
+            cands = [ep for ep in self.endpoints if ep.ready and ep.name not in exclude]
+        return cands
+
+    def _round_robin(self, cands: list[EndpointState]) -> EndpointState:
+        self._rr = (self._rr + 1) % len(cands)
+        return cands[self._rr]
+
+    def _decide(self, single: bool = False) -> None:
+        """Offer queue heads to the policy until it holds or the queue empties."""
+        q = self.queue
+        metrics = self.metrics
+        while q:
+            r = q[0]
+            w = r.waiter
+            if w is not None and w.done():  # the client went away while queued
+                q.popleft()
+                continue
+            now = self.clock()
+            cands = self._candidates(r.exclude, now)
+            if not cands:
+                if self.no_endpoint_grace_s <= 0.0 or now - r.enqueued_at >= self.no_endpoint_grace_s:
+                    q.popleft()
+                    self._reject(r, NoEndpointError("no ready endpoint"))
+                    continue
+                break
+            max_age = self.state_max_age_s
+            all_stale = True
+            for ep in cands:
+                if not ep.refresh(now, max_age):
+                    all_stale = False
+            reason = None
+            if all_stale:
+                ep = self._round_robin(cands)
+                reason = "stale_state"
+            else:
+                t0 = time.perf_counter()
+                try:
+                    choice = self.policy.pick(r.features, ClusterView(now, cands, len(q)))
+                except Exception:  # noqa: BLE001 - fail open, never fail the request
+                    log.exception("policy %s failed; routing round robin", self.policy_name)
+                    choice = -1
+                metrics.decision_time.observe(time.perf_counter() - t0)
+                if choice is None:
+                    if self._hold_allowed(cands, now):
+                        metrics.holds.inc()
+                        break
+                    ep = self._round_robin(cands)
+                    reason = "hold_idle"
+                else:
+                    if type(choice) is not int:
+                        choice = _as_index(choice)
+                    ep = self.endpoints[choice] if 0 <= choice < len(self.endpoints) else None
+                    if ep is None or ep not in cands:
+                        if choice != -1:
+                            log.warning("policy %s returned %r, not a candidate; routing round robin",
+                                        self.policy_name, choice)
+                        ep = self._round_robin(cands)
+                        reason = "policy_error" if choice == -1 else "invalid_choice"
+                    elif self._policy_fallbacks is not None:
+                        fb = self.policy.fallbacks  # type: ignore[attr-defined]
+                        if fb != self._policy_fallbacks:
+                            self._policy_fallbacks = fb
+                            reason = "policy_fallback"
+            q.popleft()
+            self._idle_hold_since = None
+            self._assign(r, ep, now, reason)
+            if single:
+                return
+        if single:
+            return
+        if q and self._tick is None:
+            self._tick = asyncio.get_running_loop().call_later(self.action_interval_s, self._on_tick)
+
+    def _hold_allowed(self, cands: list[EndpointState], now: float) -> bool:
+        for ep in cands:
+            if ep.requests or ep.num_running or ep.num_waiting:
+                self._idle_hold_since = None
+                return True
+        if self._idle_hold_since is None:
+            self._idle_hold_since = now
+        return now - self._idle_hold_since < self.hold_idle_limit_s
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        self._decide()
+
+    def _assign(self, r: Inflight, ep: EndpointState, now: float, reason: str | None) -> None:
+        ep.add(r, now)
+        m = ep.m
+        m.decisions.inc()
+        metrics = self.metrics
+        wait = now - r.enqueued_at
+        metrics.router_wait.observe(wait)
+        if reason is not None:
+            self.fallbacks_total += 1
+            metrics.fallback_children[reason].inc()
+        self.decisions.append((r.label, time.time(), ep.name, r.prompt_tokens, r.predicted_bucket, wait,
+                               self.policy_name, reason is not None))
+        r.fallback = reason is not None
+        w = r.waiter
+        if w is not None:
+            w.set_result(None)
+
+    def _reject(self, r: Inflight, err: RejectedError) -> None:
+        r.error = err
+        w = r.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+        self._maybe_idle()
+
+    # -- drain -------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on; queued and in-flight ones continue."""
+        self.draining = True
+        if self.on_ready_change is not None:
+            self.on_ready_change()
+        if not self.queue and not self.in_flight:
+            self._wake_idle()
+
+    async def wait_idle(self) -> None:
+        """Return once no request is queued or in flight."""
+        if not self.queue and not self.in_flight:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(fut)
+        await fut
+
+    def _maybe_idle(self) -> None:
+        if self._idle_waiters and not self.queue and not self.in_flight:
+            self._wake_idle()
+
+    def _wake_idle(self) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+
+    def reject_queued(self, err: RejectedError) -> int:
+        """Answer every queued request with ``err`` (drain timeout); returns how many."""
+        n = 0
+        while self.queue:
+            self._reject(self.queue.popleft(), err)
+            n += 1
+        return n
+
+    def close(self) -> None:
+        """Cancel the pending decision timer."""
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None

@@ -1,0 +1,155 @@
+"""``phasewise profile``: measure an OpenAI-compatible endpoint and write a hardware profile."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from routerd.errors import ConfigError
+
+
+@dataclass
+class ProfileResult:
+    """Everything one profiling run produced."""
+
+    profile: Any
+    """The :class:`routerd.profiles.HardwareProfile` written."""
+    yaml_text: str
+    decode: Any
+    """:class:`routerd.profiler.fit.Fit` of the decode terms."""
+    prefill: Any
+    decode_points: list = field(default_factory=list)
+    prefill_points: list = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+
+async def profile_endpoint(endpoint: str, *, model: str | None = None, plan=None, base_profile: str | None = None,
+                           name: str | None = None, overrides: dict[str, Any] | None = None,
+                           command: str = "phasewise profile", log: Callable[[str], None] = print) -> ProfileResult:
+    """Profile ``endpoint`` (base URL of an OpenAI-compatible server) and build the profile.
+
+    Args:
+        plan: a :class:`routerd.profiler.plan.MeasurementPlan` (default: :func:`default_plan`).
+        base_profile: shipped name or YAML path supplying what cannot be measured.
+        overrides: profile fields that win over the endpoint and the base (from flags).
+
+    Raises:
+        ConfigError: unreachable or non-OpenAI endpoint, unknown model, a server that
+            misbehaves while profiled, or a profile that fails validation.
+    """
+    import time
+
+    from routerd.cli import DEFAULT_PROFILE
+    from routerd.profiler.client import ProfilerClient
+    from routerd.profiler.fit import FitError, fit_decode, fit_prefill
+    from routerd.profiler.measure import Measurer
+    from routerd.profiler.plan import default_plan
+    from routerd.profiler.writer import build_profile, profile_yaml
+    from routerd.profiles import ProfileError, get_profile
+
+    t0 = time.perf_counter()
+    try:
+        base = get_profile(base_profile or DEFAULT_PROFILE)
+    except ProfileError as e:
+        raise ConfigError(f"--base-profile: {e}") from None
+    plan = plan or default_plan()
+    async with ProfilerClient(endpoint) as client:
+        info = await client.discover(model)
+        log(f"profiling {info.model!r} at {info.base_url} (max_model_len {info.max_model_len or 'unknown'}, "
+            f"KV {info.kv_capacity_tokens or 'unknown'} tokens, vLLM metrics {'yes' if info.has_metrics else 'no'})")
+        m = Measurer(client, info, plan, log)
+        got = await m.prompts.calibrate(client, info.model)
+        log(f"calibration: a 1000-estimated-token prompt is {got} server tokens")
+        log("prefill batches beside a probe request:")
+        prefill_pts = await m.measure_prefill()
+        log("decode batches:")
+        decode_pts = await m.measure_decode()
+    try:
+        dec = fit_decode(decode_pts)
+        pre = fit_prefill(prefill_pts)
+    except FitError as e:
+        raise ConfigError(f"--endpoint {endpoint}: {e}; notes: {'; '.join(m.notes) or 'none'}") from None
+    found: dict[str, Any] = {}
+    if info.max_model_len is not None:
+        found["max_model_len"] = info.max_model_len
+    if info.kv_capacity_tokens is not None:
+        found["kv_capacity_tokens"] = info.kv_capacity_tokens
+        found["block_size"] = info.block_size
+    found.update(overrides or {})
+    prof_name = name or re.sub(r"[^A-Za-z0-9._-]+", "-", info.model).strip("-") + "-profiled"
+    profile = build_profile(prof_name, info.base_url, info.model, dec, pre, base, found)
+    text = profile_yaml(profile, plan, decode_pts, prefill_pts, dec, pre, m.notes, command)
+    return ProfileResult(profile, text, dec, pre, decode_pts, prefill_pts, m.notes, time.perf_counter() - t0)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the ``profile`` subcommand."""
+    p = sub.add_parser(
+        "profile",
+        help="measure an OpenAI-compatible endpoint (vLLM or the emulator) and write a hardware profile",
+        description="Send decode-heavy batches (B concurrent requests, long outputs) and prefill-heavy batches "
+        "(N prompts of L tokens beside a probe request) to the endpoint, time the streamed tokens, fit "
+        "overhead, prefill and decode terms by least squares and write a hardware-profile YAML (loadable with "
+        "--profile) whose header records the plan, every point and its residual. Prompts carry random "
+        "prefixes, so prefix caching does not hide prefill cost.",
+    )
+    p.add_argument("--endpoint", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="served model to profile (default: the first of /v1/models)")
+    p.add_argument("--output", "-o", required=True, help="profile YAML to write")
+    p.add_argument("--name", default=None, help="profile name (default: <model>-profiled)")
+    p.add_argument("--base-profile", default=None,
+                   help="profile supplying what no endpoint reports: max_num_seqs, max_num_batched_tokens, "
+                        "chunked_prefill, grad2, heavy thresholds (default: the project's default profile)")
+    p.add_argument("--quick", action="store_true", help="a shorter plan (fewer, smaller batches)")
+    p.add_argument("--max-batch-tokens", type=int, default=2000,
+                   help="largest prefill batch in tokens; keep it under the server's max_num_batched_tokens "
+                        "(default 2000, under vLLM's smallest default budget of 2048)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the server's max_num_seqs (profile field)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the server's max_num_batched_tokens (profile field)")
+    p.add_argument("--chunked-prefill", choices=("true", "false"), default=None,
+                   help="whether the server chunks prefills (profile field)")
+    p.add_argument("--kv-capacity-tokens", type=int, default=None,
+                   help="KV-cache capacity in tokens, when the endpoint's /metrics does not tell")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile, write ``--output``, print a summary; returns 0. Raises :class:`ConfigError` on bad input."""
+    from routerd.profiler.plan import default_plan, quick_plan
+    from routerd.profiler.writer import write_profile
+
+    if args.max_batch_tokens < 64:
+        raise ConfigError(f"--max-batch-tokens must be >= 64, got {args.max_batch_tokens}")
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_capacity_tokens"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if not re.match(r"^https?://[^/\s]+", args.endpoint):
+        raise ConfigError(f"--endpoint {args.endpoint!r}: expected an http(s) URL such as http://127.0.0.1:8000")
+    overrides: dict[str, Any] = {}
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_capacity_tokens"):
+        if getattr(args, flag) is not None:
+            overrides[flag] = getattr(args, flag)
+    if args.chunked_prefill is not None:
+        overrides["chunked_prefill"] = args.chunked_prefill == "true"
+    plan = (quick_plan if args.quick else default_plan)(args.max_batch_tokens)
+    command = "phasewise profile " + " ".join(
+        f"--{k.replace('_', '-')}" + ("" if v is True else f" {shlex.quote(str(v))}")
+        for k, v in vars(args).items() if k != "command" and v not in (None, False))
+    res = asyncio.run(profile_endpoint(args.endpoint, model=args.model, plan=plan, base_profile=args.base_profile,
+                                       name=args.name, overrides=overrides, command=command))
+    write_profile(args.output, res.yaml_text)
+    p = res.profile
+    print(f"fitted in {res.elapsed_s:.1f} s: overhead_s {p.overhead_s:.4g}, prefill_per_token_s (grad1) "
+          f"{p.prefill_per_token_s:.4g}, prefill_attn_s {p.prefill_attn_s:.4g}, decode_per_seq_s "
+          f"{p.decode_per_seq_s:.4g}, decode_per_ctx_token_s {p.decode_per_ctx_token_s:.4g}")
+    print(f"residuals: decode rms {res.decode.rms_s * 1e3:.3f} ms, prefill rms {res.prefill.rms_s * 1e3:.3f} ms")
+    for n in res.notes:
+        print(f"note: {n}")
+    print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,125 @@
+"""The Helm chart rendered by a real helm (built by tools/k8s/build.sh): lint, template, values errors.
+
+Installing, upgrading and uninstalling against an API server is in tests/k8s/test_operator_chart.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "phasewise"
+sys.path.insert(0, str(REPO / "operator"))
+sys.path.insert(0, str(REPO / "tests"))
+
+from test_operator_builders import check_restricted  # noqa: E402
+
+
+def _helm() -> Path:
+    from k8s.harness import bin_dir
+
+    helm = bin_dir() / "helm"
+    if not os.access(helm, os.X_OK):
+        if os.environ.get("PHASEWISE_K8S_REQUIRED"):
+            pytest.fail(f"PHASEWISE_K8S_REQUIRED is set but {helm} is not built", pytrace=False)
+        pytest.skip(f"helm not built in {helm.parent} (tools/k8s/build.sh)")
+    return helm
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/phasewise-helm/cache", "HELM_CONFIG_HOME": "/tmp/phasewise-helm/config",
+           "HELM_DATA_HOME": "/tmp/phasewise-helm/data"}
+    r = subprocess.run([str(_helm()), *args], capture_output=True, text=True, timeout=120, env=env)
+    if check and r.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{r.stderr}")
+    return r
+
+
+def render(*sets: str, namespace: str = "phasewise") -> list[dict]:
+    args = ["template", "phasewise", str(CHART), "--namespace", namespace]
+    for s in sets:
+        args += ["--set", s]
+    return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+
+
+def by_kind(docs, kind):
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_lint():
+    r = helm("lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in r.stdout, r.stdout
+
+
+def test_default_render():
+    docs = render()
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                     "CustomResourceDefinition", "Deployment", "ServiceAccount"]
+    crds = {d["metadata"]["name"]: d for d in by_kind(docs, "CustomResourceDefinition")}
+    assert set(crds) == {"llmrouterpools.phasewise.io", "llmrouterjobs.phasewise.io"}
+    for name, crd in crds.items():
+        assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        plain = yaml.safe_load((REPO / "crds" / name.replace(".phasewise.io", ".yaml")).read_text())
+        assert crd["spec"] == plain["spec"]  # the chart installs exactly crds/
+    (dep,) = by_kind(docs, "Deployment")
+    assert dep["metadata"]["name"] == "phasewise-operator" and dep["metadata"]["namespace"] == "phasewise"
+    pod = dep["spec"]["template"]["spec"]
+    check_restricted(pod, "operator")
+    (c,) = pod["containers"]
+    assert c["image"] == "phasewise/operator:0.1.0" and c["command"] == ["python", "-m", "phasewise_operator"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    from phasewise_operator.settings import from_env
+
+    s = from_env({k: v for k, v in env.items() if v is not None})
+    assert s.clusterwide and s.routerd_image == "phasewise/routerd:0.1.0" and s.trainer_image == "phasewise/routerd:0.1.0-rl"
+    assert s.operator_image == c["image"] and s.peering_mode == "mandatory" and s.peering == "phasewise"
+    (peer,) = by_kind(docs, "ClusterKopfPeering")
+    assert peer["metadata"]["name"] == "phasewise" and peer["metadata"]["annotations"]["helm.sh/hook"] == "pre-install"
+    (crb,) = by_kind(docs, "ClusterRoleBinding")
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": "phasewise", "namespace": "phasewise"}]
+    (cr,) = by_kind(docs, "ClusterRole")
+    assert {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"],
+            "verbs": ["get", "list", "watch", "patch"]} in cr["rules"]
+
+
+def test_namespaced_render_has_nothing_cluster_wide_but_crds():
+    docs = render("operator.watchNamespaces={team-a,team-b}", "crds.install=false")
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    assert not by_kind(docs, "CustomResourceDefinition")
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert sorted(p["metadata"]["namespace"] for p in by_kind(docs, "KopfPeering")) == ["team-a", "team-b"]
+    (dep,) = by_kind(docs, "Deployment")
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PHASEWISE_NAMESPACES"] == "team-a,team-b"
+
+
+def test_example_pool_is_a_valid_emulated_pool():
+    docs = render("examplePool.enabled=true")
+    (pool,) = by_kind(docs, "LLMRouterPool")
+    assert pool["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    from phasewise_operator.spec import check_pool, parse_pool_spec
+
+    spec = parse_pool_spec(pool["spec"])
+    check_pool(spec)
+    assert spec.emulated and spec.engine.replicas == 2
+    jsonschema = pytest.importorskip("jsonschema")
+    crd = yaml.safe_load((REPO / "crds" / "llmrouterpools.yaml").read_text())
+    jsonschema.Draft4Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]).validate(pool)
+
+
+def test_bad_values_fail_with_a_message():
+    r = helm("template", "x", str(CHART), "--set", "operator.replicas=-1", check=False)
+    assert r.returncode != 0 and "operator.replicas" in r.stderr.replace("/", "."), r.stderr
+    r = helm("template", "x", str(CHART), "--set", "operator.replicas=2", "--set", "peering.enabled=false",
+             check=False)
+    assert r.returncode != 0 and "needs peering.enabled" in r.stderr, r.stderr
+    r = helm("template", "x", str(CHART), "--set", "operator.logLevel=loud", check=False)
+    assert r.returncode != 0 and "logLevel" in r.stderr, r.stderr

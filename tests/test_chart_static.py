@@ -1,0 +1,169 @@
+"""The Helm chart without helm: values against values.schema.json, versions, and RBAC = what the operator does."""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "phasewise"
+sys.path.insert(0, str(REPO / "operator"))
+
+from phasewise_operator import builders, jobs  # noqa: E402
+from phasewise_operator.settings import OPERATOR_VERSION, OperatorSettings  # noqa: E402
+from phasewise_operator.spec import parse_job_spec, parse_pool_spec  # noqa: E402
+
+jsonschema = pytest.importorskip("jsonschema")
+
+VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
+SCHEMA = yaml.safe_load((CHART / "values.schema.json").read_text())
+
+
+def _errors(values) -> list[str]:
+    v = jsonschema.Draft7Validator(SCHEMA)
+    return ["/".join(map(str, e.absolute_path)) + ": " + e.message for e in v.iter_errors(values)]
+
+
+def test_default_values_match_the_schema():
+    jsonschema.Draft7Validator.check_schema(SCHEMA)
+    assert _errors(VALUES) == []
+
+
+@pytest.mark.parametrize("path,value,where", [
+    (("operator", "replicas"), -1, "operator/replicas"),
+    (("operator", "logLevel"), "loud", "operator/logLevel"),
+    (("operator", "watchNamespaces"), ["Not_A_Namespace"], "operator/watchNamespaces/0"),
+    (("operator", "resyncSeconds"), 0.5, "operator/resyncSeconds"),
+    (("images", "pullPolicy"), "Sometimes", "images/pullPolicy"),
+    (("operator", "image", "repository"), "", "operator/image/repository"),
+    (("examplePool", "name"), "Bad_Name", "examplePool/name"),
+    (("operator", "unknownKey"), 1, "operator: Additional properties"),
+])
+def test_bad_values_are_rejected(path, value, where):
+    values = copy.deepcopy(VALUES)
+    node = values
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    errs = _errors(values)
+    assert any(e.startswith(where) for e in errs), errs
+
+
+def test_versions_agree():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    pyproject = (REPO / "pyproject.toml").read_text()
+    version = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
+    assert chart["appVersion"] == OPERATOR_VERSION == version
+    assert OperatorSettings().routerd_image == f"phasewise/routerd:{version}"
+    assert VALUES["images"]["vllm"] == OperatorSettings().vllm_image
+
+
+def test_example_pool_defaults_are_valid_names():
+    from phasewise_operator.gen_crds import policy_names, profile_names
+
+    assert VALUES["examplePool"]["profile"] in profile_names()
+    assert VALUES["examplePool"]["policy"] in policy_names()
+
+
+# ---------------------------------------------------------------- RBAC
+
+def _operator_rules() -> list[dict]:
+    text = (CHART / "templates" / "_helpers.tpl").read_text()
+    block = re.search(r'\{\{- define "phasewise.operatorRules" -\}\}\n(.*?)\{\{- end -\}\}', text, re.S).group(1)
+    return yaml.safe_load(block)
+
+
+def _allowed(rules, group: str, resource: str, verb: str, name: str | None = None) -> bool:
+    for r in rules:
+        if group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]:
+            if not r.get("resourceNames") or name in r["resourceNames"]:
+                return True
+    return False
+
+
+#: Every API call the operator makes, as (group, resource, verb): kube.py's verbs per kind
+#: (apply = create + patch, merge_patch = patch, patch_status = patch on status) and kopf's
+#: own (watch its resources and the children it listens to, annotate its resources, post Events).
+OPERATOR_CALLS = {
+    ("phasewise.io", "llmrouterpools", v) for v in ("get", "list", "watch", "patch")
+} | {
+    ("phasewise.io", "llmrouterjobs", v) for v in ("get", "list", "watch", "patch")
+} | {
+    ("phasewise.io", "llmrouterpools/status", "patch"), ("phasewise.io", "llmrouterjobs/status", "patch"),
+    ("phasewise.io", "llmrouterpools/status", "get"), ("phasewise.io", "llmrouterjobs/status", "get"),
+    ("phasewise.io", "llmrouterpools/finalizers", "update"), ("phasewise.io", "llmrouterjobs/finalizers", "update"),
+    ("", "configmaps", "get"), ("", "configmaps", "create"), ("", "configmaps", "patch"),
+    ("", "services", "get"), ("", "services", "create"), ("", "services", "patch"),
+    ("", "serviceaccounts", "get"), ("", "serviceaccounts", "create"), ("", "serviceaccounts", "patch"),
+    ("", "pods", "get"), ("", "pods", "list"),
+    ("", "events", "create"), ("", "events", "patch"),
+    ("apps", "deployments", "get"), ("apps", "deployments", "list"), ("apps", "deployments", "watch"),
+    ("apps", "deployments", "create"), ("apps", "deployments", "patch"),
+    ("batch", "jobs", "get"), ("batch", "jobs", "list"), ("batch", "jobs", "watch"), ("batch", "jobs", "create"),
+    ("batch", "jobs", "patch"),
+    ("discovery.k8s.io", "endpointslices", "get"), ("discovery.k8s.io", "endpointslices", "list"),
+    ("discovery.k8s.io", "endpointslices", "watch"),
+    ("rbac.authorization.k8s.io", "roles", "get"), ("rbac.authorization.k8s.io", "roles", "create"),
+    ("rbac.authorization.k8s.io", "roles", "patch"),
+    ("rbac.authorization.k8s.io", "rolebindings", "get"), ("rbac.authorization.k8s.io", "rolebindings", "create"),
+    ("rbac.authorization.k8s.io", "rolebindings", "patch"),
+}
+
+
+def _granted(rules) -> set[tuple[str, str, str]]:
+    return {(g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]}
+
+
+def test_operator_rbac_is_exactly_what_it_does():
+    """Least privilege: the chart grants the calls the operator makes, plus configmaps update
+    (held so it may grant it to job reporters: RBAC forbids granting what one lacks), nothing else."""
+    granted = _granted(_operator_rules())
+    assert OPERATOR_CALLS <= granted, sorted(OPERATOR_CALLS - granted)
+    assert granted - OPERATOR_CALLS == {("", "configmaps", "update")}
+    assert not any(r.get("resourceNames") for r in _operator_rules())
+    assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in _operator_rules())
+
+
+def test_every_kind_the_operator_writes_is_granted():
+    """Kinds in kube.RESOURCES that reconcile applies are creatable and patchable."""
+    rules = _operator_rules()
+    pool = builders.PoolRef("p", "ns", "u")
+    ps = parse_pool_spec({"model": {"name": "m"}, "emulated": True})
+    objs = builders.pool_children(pool, ps, OperatorSettings())
+    js = parse_job_spec({"poolRef": {"name": "p"}, "task": "profile"})
+    objs += jobs.job_children(builders.PoolRef("j", "ns", "u2"), js, pool, ps, OperatorSettings(), target_url="http://x:1")
+    from phasewise_operator.kube import RESOURCES
+
+    for obj in objs:
+        group = obj["apiVersion"].rpartition("/")[0]
+        plural = RESOURCES[(obj["apiVersion"], obj["kind"])]
+        for verb in ("create", "patch", "get"):
+            assert _allowed(rules, group, plural, verb), (obj["kind"], verb)
+
+
+def test_operator_holds_what_its_roles_grant():
+    """RBAC escalation check: the operator can create the routerd and reporter Roles only if it holds their rules."""
+    rules = _operator_rules()
+    pool = builders.PoolRef("p", "ns", "u")
+    created = [o for o in builders.routerd_rbac(pool) + jobs.reporter_rbac(builders.PoolRef("j", "ns", "u"), "p")
+               if o["kind"] == "Role"]
+    assert len(created) == 2
+    for role in created:
+        for r in role["rules"]:
+            for g in r["apiGroups"]:
+                for res in r["resources"]:
+                    for v in r["verbs"]:
+                        assert _allowed(rules, g, res, v), (role["metadata"]["name"], g, res, v)
+
+
+def test_peering_crds_and_templates_exist():
+    crds = list(yaml.safe_load_all((CHART / "crds" / "kopf-peerings.yaml").read_text()))
+    assert {c["metadata"]["name"] for c in crds} == {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
+    for name in ("deployment.yaml", "rbac.yaml", "serviceaccount.yaml", "peering.yaml", "example-pool.yaml",
+                 "NOTES.txt", "crds/llmrouterpools.yaml", "crds/llmrouterjobs.yaml"):
+        assert (CHART / "templates" / name).is_file(), name

@@ -1,0 +1,104 @@
+"""routerd configuration: YAML + PHASEWISE_* environment + flags, and errors that name where and what."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from routerd.daemon import cli
+from routerd.daemon.app import Daemon
+from routerd.daemon.config import DEFAULT_MAX_BODY_BYTES, load_settings
+from routerd.errors import ConfigError
+
+
+def write(tmp_path, text):
+    p = tmp_path / "routerd.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_file_environment_and_flags_in_that_order(tmp_path):
+    p = write(tmp_path, "http: {port: 8001}\nendpoints:\n  - {name: a, url: 'http://10.0.0.1:8000/'}\n"
+                        "policy: {name: late_binding, params: {reserve_fraction: 0.1}}\n")
+    s = load_settings(p, environ={})
+    assert s.http.port == 8001 and s.http.host == "0.0.0.0"
+    assert s.endpoints[0].url == "http://10.0.0.1:8000"  # trailing slash dropped
+    assert s.policy.params == {"reserve_fraction": 0.1}
+    assert s.router.action_interval_s == 0.02 and s.max_body_bytes == DEFAULT_MAX_BODY_BYTES
+    env = {"PHASEWISE_HTTP__PORT": "8002", "PHASEWISE_MODELS": '["llama"]', "PHASEWISE_ROUTER__QUEUE_LIMIT": "5",
+           "UNRELATED": "x"}
+    s = load_settings(p, environ=env)
+    assert (s.http.port, s.models, s.router.queue_limit) == (8002, ["llama"], 5)
+    s = load_settings(p, environ=env, overrides={"http": {"port": 8003}}, override_flags={"http": "--port"})
+    assert s.http.port == 8003 and s.http.host == "0.0.0.0"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("endpoints:\n  - {name: a, url: 'http://h:1'}\n  - {name: b, url: 'ftp://h:2'}\n",
+     "config {p}: endpoints[1].url: must be an http:// or https:// URL with a host, got 'ftp://h:2'"),
+    ("endpoints:\n  - {name: a, url: 'http://h:1'}\n  - {name: a, url: 'http://h:2'}\n",
+     "config {p}: endpoints[1].name: duplicate endpoint name 'a' (also endpoints[0])"),
+    ("endpoints:\n  - {name: a, url: 'http://h:1', state_address: 'h'}\n",
+     "config {p}: endpoints[0].state_address: state_address must be host:port, got 'h'"),
+    ("router: {queue_limt: 3}\n", "config {p}: router.queue_limt: Extra inputs are not permitted"),
+    ("router: {action_interval_s: 0}\n", "config {p}: router.action_interval_s: Input should be greater than 0"),
+    ("kubernetes: {enabled: true}\n",
+     "config {p}: kubernetes: service is required when kubernetes discovery is enabled"),
+    ("http: [1, 2]\n", "config {p}: http: Input should be a valid dictionary or instance of ListenConfig"),
+    ("http: {port: 8000\n",
+     "config {p}: invalid YAML at line 2, column 1: expected ',' or '}}', but got '<stream end>'"),
+    ("- 1\n", "config {p}: the top level must be a mapping of settings, got list"),
+])
+def test_file_errors_name_the_file_and_the_indexed_field(tmp_path, text, expected):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_settings(p, environ={})
+    assert str(e.value) == expected.format(p=p)
+
+
+def test_environment_and_flag_errors_name_their_source(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_settings(None, environ={"PHASEWISE_ROUTER__QUEUE_LIMIT": "0"})
+    assert str(e.value) == ("environment variable PHASEWISE_ROUTER__QUEUE_LIMIT: router.queue_limit: "
+                            "Input should be greater than or equal to 1")
+    with pytest.raises(ConfigError) as e:
+        load_settings(None, environ={"PHASEWISE_ENDPOINTS": "[not json"})
+    assert "environment" in str(e.value) and "endpoints" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_settings(None, environ={}, overrides={"http": {"port": 70000}}, override_flags={"http": "--port"})
+    assert str(e.value) == "flag --port: http.port: Input should be less than or equal to 65535"
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(tmp_path / "missing.yaml", environ={})
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="command")
+    cli.add_parser(sub)
+    return p.parse_args(["serve", *argv])
+
+
+def test_flags_become_overrides():
+    o, flags = cli.overrides_from_args(_args("--port", "0", "--endpoint", "a=http://h:1,h:2", "--endpoint",
+                                             "b=http://h:3", "--policy", "late_binding:reserve_fraction=0.2",
+                                             "--no-grpc", "--model", "m"))
+    assert o == {"http": {"port": 0}, "grpc": {"enabled": False}, "models": ["m"],
+                 "endpoints": [{"name": "a", "url": "http://h:1", "state_address": "h:2"},
+                               {"name": "b", "url": "http://h:3"}],
+                 "policy": {"name": "late_binding", "params": {"reserve_fraction": "0.2"}}}
+    assert flags["endpoints"] == "--endpoint" and flags["policy"] == "--policy"
+    with pytest.raises(ConfigError, match="flag --endpoint: expected NAME=URL"):
+        cli.overrides_from_args(_args("--endpoint", "http://h:1"))
+    with pytest.raises(ConfigError, match="flag --policy"):
+        cli.overrides_from_args(_args("--policy", "late_binding:oops"))
+
+
+def test_policy_profile_and_predictor_are_checked_at_start():
+    with pytest.raises(ConfigError, match="^policy: policy 'late_binding': field reserve_fraction"):
+        Daemon(load_settings(None, environ={}, overrides={"policy": {"name": "late_binding",
+                                                                     "params": {"reserve_fraction": 3}}}))
+    with pytest.raises(ConfigError, match="^profile: "):
+        Daemon(load_settings(None, environ={}, overrides={"profile": "no-such-profile"}))
+    with pytest.raises(ConfigError, match="^predictor: unknown predictor 'nope'"):
+        Daemon(load_settings(None, environ={}, overrides={"predictor": "nope"}))

@@ -1,0 +1,149 @@
+"""routerd's operations: hot reload without dropping requests, and graceful drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from conftest import policy_params
+from daemon_fakes import FakeBackend, in_flight_samples, openai_client, sample
+from routerd.daemon.app import Daemon
+from routerd.daemon.config import load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(backends, policy, **extra) -> str:
+    cfg = {"http": {"host": "127.0.0.1", "port": 0}, "grpc": {"host": "127.0.0.1", "port": 0}, "models": ["m"],
+           "endpoints": [{"name": b.name, "url": b.url} for b in backends], "policy": policy,
+           "log_level": "info", **extra}
+    return json.dumps(cfg)  # JSON is YAML
+
+
+def test_reload_swaps_policy_checkpoint_and_endpoints_with_requests_in_flight(tmp_path):
+    async def main():
+        b0 = await FakeBackend("b0", token_s=0.03, default_tokens=8).start()
+        b1 = await FakeBackend("b1").start()
+        path = tmp_path / "routerd.yaml"
+        path.write_text(_config([b0], {"name": "round_robin"}, reload={"watch": False}))
+        d = Daemon(load_settings(path, environ={}), config_path=path)
+        await d.start()
+        client = openai_client(d)
+        try:
+            stream = await client.completions.create(model="m", prompt="p", max_tokens=8, stream=True)
+            first = await stream.__anext__()
+            queued = asyncio.create_task(client.completions.create(model="m", prompt="q", max_tokens=1))
+            # New endpoints and a dqn checkpoint while a stream is running.
+            dqn = {"name": "dqn", "params": {**policy_params("dqn", 2), "allow_hold": False}}
+            path.write_text(_config([b0, b1], dqn, reload={"watch": False}))
+            assert await d.reload()
+            assert d.router.policy_name == "dqn" and [e.name for e in d.router.endpoints] == ["b0", "b1"]
+            assert str(d.router.policy.checkpoint.path) == policy_params("dqn", 2)["checkpoint"]
+            rest = [ch.choices[0].text async for ch in stream]
+            assert [first.choices[0].text] + rest == [f"t{i} " for i in range(8)]
+            assert (await queued).choices[0].text == "t0 "
+            r = await client.completions.create(model="m", prompt="p", max_tokens=1)
+            assert r.choices[0].text == "t0 " and d.router.decisions[-1][6] == "dqn"
+            # A broken config is refused and the running one kept.
+            path.write_text(_config([b0], {"name": "dqn", "params": {"checkpoint": str(tmp_path)}}))
+            assert not await d.reload()
+            assert d.router.policy_name == "dqn" and len(d.router.endpoints) == 2
+            assert sample(d, "phasewise_config_reloads_total", result="error") == 1
+            assert sample(d, "phasewise_config_reloads_total", result="ok") == 1
+            assert all(v == 0 for v in in_flight_samples(d).values())
+        finally:
+            await client.close()
+            await d.stop()
+            await b0.stop()
+            await b1.stop()
+    asyncio.run(main())
+
+
+def test_a_changed_config_file_is_picked_up_without_a_signal(tmp_path):
+    async def main():
+        b0 = await FakeBackend("b0").start()
+        path = tmp_path / "routerd.yaml"
+        path.write_text(_config([b0], {"name": "round_robin"}, reload={"watch": True, "poll_interval_s": 0.05}))
+        d = Daemon(load_settings(path, environ={}), config_path=path)
+        await d.start()
+        try:
+            await asyncio.sleep(0.1)
+            os.utime(path, (time.time() + 5, time.time() + 5))  # an mtime the watcher cannot miss
+            path.write_text(_config([b0], {"name": "late_binding"}, reload={"watch": True, "poll_interval_s": 0.05}))
+            os.utime(path, (time.time() + 10, time.time() + 10))
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if d.router.policy_name == "late_binding":
+                    break
+            assert d.router.policy_name == "late_binding"
+        finally:
+            await d.stop()
+            await b0.stop()
+    asyncio.run(main())
+
+
+async def _read_port(proc) -> int:
+    seen = []
+    while True:
+        line = await asyncio.wait_for(proc.stderr.readline(), 20)
+        if not line:
+            raise AssertionError("routerd exited before listening:\n" + "".join(seen[-20:]))
+        text = line.decode()
+        seen.append(text)
+        if "routerd listening on http://" in text:
+            return int(text.split("routerd listening on http://", 1)[1].split(":")[1].split(";")[0].split(",")[0])
+
+
+def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_zero(tmp_path):
+    async def main():
+        b0 = await FakeBackend("b0", token_s=0.05, default_tokens=12).start()
+        path = tmp_path / "routerd.yaml"
+        path.write_text(_config([b0], {"name": "round_robin"}, drain_timeout_s=10))
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "routerd")}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "routerd", "serve", "--config", str(path), cwd=str(tmp_path), env=env,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        try:
+            port = await _read_port(proc)
+            base = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession() as s:
+                # SIGHUP reloads the file (here: another policy).
+                path.write_text(_config([b0], {"name": "join_shortest_queue"}, drain_timeout_s=10))
+                proc.send_signal(signal.SIGHUP)
+                for _ in range(100):
+                    async with s.get(base + "/metrics") as r:
+                        if 'phasewise_config_reloads_total{result="ok"} 1.0' in await r.text():
+                            break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("SIGHUP did not reload")
+                body = json.dumps({"model": "m", "prompt": "p", "stream": True, "max_tokens": 12}).encode()
+                async with s.post(base + "/v1/completions", data=body) as r:
+                    assert r.status == 200
+                    events = [await r.content.readline()]
+                    proc.send_signal(signal.SIGTERM)
+                    await asyncio.sleep(0.2)
+                    # Draining: not ready, and new requests are refused with 503.
+                    async with s.get(base + "/readyz") as rz:
+                        assert rz.status == 503
+                    async with s.post(base + "/v1/completions", data=body) as r2:
+                        assert r2.status == 503 and r2.headers["x-phasewise-reject-reason"] == "draining"
+                    async for line in r.content:
+                        events.append(line)
+                data = [e for e in events if e.startswith(b"data: ")]
+                assert len(data) == 13 and data[-1] == b"data: [DONE]\n"
+            assert await asyncio.wait_for(proc.wait(), 15) == 0
+            assert b0.finished == 1 and b0.cancelled == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            await b0.stop()
+    asyncio.run(main())

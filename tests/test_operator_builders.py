@@ -1,0 +1,400 @@
+"""The operator's pure builders: concrete pools in, hand-checked Kubernetes objects out."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "operator"))
+
+from phasewise_operator import builders as B  # noqa: E402
+from phasewise_operator.settings import OperatorSettings  # noqa: E402
+from phasewise_operator.spec import SpecError, check_pool, parse_pool_spec  # noqa: E402
+
+POOL = B.PoolRef(name="chat", namespace="llm", uid="0b5e3c1a-0000-4000-8000-000000000001", generation=2)
+OPS = OperatorSettings(routerd_image="example/routerd:1", vllm_image="example/vllm:2")
+
+GPU_SPEC = {
+    "model": {"name": "meta-llama/Llama-2-7b-hf", "servedModelName": "llama-2-7b"},
+    "engine": {"replicas": 3, "args": ["--max-model-len", "4096"],
+               "resources": {"limits": {"nvidia.com/gpu": 1}},
+               "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+               "nodeSelector": {"gpu": "a100"}},
+    "hardwareProfile": {"name": "llama2-7b-a100"},
+    "routing": {"policy": "late_binding", "params": {"reserve_fraction": 0.1}, "queueLimit": 256},
+    "routerd": {"replicas": 2, "service": {"type": "NodePort", "port": 8080, "nodePort": 30080}},
+}
+EMU_SPEC = {
+    "model": {"name": "m"},
+    "emulated": True,
+    "engine": {"replicas": 2},
+    "hardwareProfile": {"inline": {"grad1": 3.2e-4, "grad2": 3.3e-5, "overheadS": 0.019, "kvCapacityTokens": 30208}},
+}
+
+
+def _children(spec: dict, **kw) -> dict[tuple[str, str], dict]:
+    ps = parse_pool_spec(spec)
+    check_pool(ps)
+    return {(o["kind"], o["metadata"]["name"]): o for o in B.pool_children(POOL, ps, OPS, **kw)}
+
+
+def _container(dep: dict, name: str) -> dict:
+    return next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def test_children_names_kinds_and_owner_references():
+    kids = _children(GPU_SPEC)
+    assert sorted(kids) == [
+        ("ConfigMap", "chat-routerd"), ("Deployment", "chat-engine"), ("Deployment", "chat-routerd"),
+        ("Role", "chat-routerd"), ("RoleBinding", "chat-routerd"), ("Service", "chat-engine"),
+        ("Service", "chat-routerd"), ("ServiceAccount", "chat-routerd"),
+    ]
+    for obj in kids.values():
+        meta = obj["metadata"]
+        assert meta["namespace"] == "llm"
+        assert meta["ownerReferences"] == [{
+            "apiVersion": "phasewise.io/v1alpha1", "kind": "LLMRouterPool", "name": "chat",
+            "uid": "0b5e3c1a-0000-4000-8000-000000000001", "controller": True, "blockOwnerDeletion": True}]
+        assert meta["labels"]["phasewise.io/pool"] == "chat"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "phasewise-operator"
+
+
+def test_vllm_engine_deployment():
+    dep = _children(GPU_SPEC)[("Deployment", "chat-engine")]
+    spec = dep["spec"]
+    assert spec["replicas"] == 3
+    assert spec["selector"] == {"matchLabels": {"phasewise.io/pool": "chat", "app.kubernetes.io/component": "engine"}}
+    labels = spec["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in spec["selector"]["matchLabels"].items())
+    vllm = _container(dep, "vllm")
+    assert vllm["image"] == "example/vllm:2"
+    assert vllm["command"] == ["vllm", "serve"]
+    assert vllm["args"] == ["meta-llama/Llama-2-7b-hf", "--served-model-name", "llama-2-7b", "--host", "0.0.0.0",
+                            "--port", "8000", "--max-model-len", "4096"]
+    assert vllm["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert vllm["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    env = {e["name"]: e for e in vllm["env"]}
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert env["HF_HOME"]["value"] == "/cache/huggingface" and env["HOME"]["value"] == "/cache"
+    # 1800 s of model loading at one probe per 10 s
+    assert vllm["startupProbe"]["failureThreshold"] == 180
+    assert vllm["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    pod = spec["template"]["spec"]
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["nodeSelector"] == {"gpu": "a100"}
+    assert pod["automountServiceAccountToken"] is False
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}
+    assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+def test_sidecar_beside_every_engine():
+    for spec, engine in ((GPU_SPEC, "vllm"), (EMU_SPEC, "emulator")):
+        dep = _children(spec)[("Deployment", "chat-engine")]
+        names = [c["name"] for c in dep["spec"]["template"]["spec"]["containers"]]
+        assert names == [engine, "sidecar"]
+        side = _container(dep, "sidecar")
+        assert side["command"] == ["phasewise", "sidecar"]
+        assert side["args"] == ["--metrics-url", "http://127.0.0.1:8000/metrics", "--listen", "0.0.0.0:50051",
+                                "--instance", "$(POD_NAME)", "--interval", "0.25"]
+        assert side["ports"] == [{"name": "state", "containerPort": 50051, "protocol": "TCP"}]
+        assert side["readinessProbe"]["grpc"] == {"port": 50051}
+        assert side["image"] == "example/routerd:1"
+
+
+def test_sidecar_args_parse_with_phasewise_sidecar():
+    """The sidecar's command line is accepted by phasewise sidecar's own parser and config model."""
+    import argparse
+
+    from routerd.sidecar.config import add_arguments, resolve_config
+
+    side = _container(_children(GPU_SPEC)[("Deployment", "chat-engine")], "sidecar")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = [a.replace("$(POD_NAME)", "chat-engine-abc") for a in side["args"]]
+    cfg = resolve_config(parser.parse_args(args), environ={})
+    assert cfg.metrics_url == "http://127.0.0.1:8000/metrics"
+    assert cfg.listen == "0.0.0.0:50051" and cfg.instance == "chat-engine-abc" and cfg.interval_s == 0.25
+
+
+def test_emulated_engine_runs_phasewise_emulate_with_the_pool_profile():
+    kids = _children(EMU_SPEC)
+    dep = kids[("Deployment", "chat-engine")]
+    emu = _container(dep, "emulator")
+    assert emu["command"] == ["phasewise", "emulate"]
+    assert emu["args"] == ["--host", "0.0.0.0", "--port", "8000", "--profile", "/etc/phasewise/profile.yaml",
+                           "--model", "m"]
+    assert "nvidia.com/gpu" not in json.dumps(dep)
+    pod = dep["spec"]["template"]["spec"]
+    cfg = next(v for v in pod["volumes"] if v["name"] == "config")
+    assert cfg["configMap"] == {"name": "chat-routerd", "items": [{"key": "profile.yaml", "path": "profile.yaml"}],
+                                "optional": False}
+    # The emulator's profile file is the one routerd reasons with.
+    cm = kids[("ConfigMap", "chat-routerd")]
+    prof = yaml.safe_load(cm["data"]["profile.yaml"])
+    assert (prof["grad1"], prof["grad2"], prof["overhead_s"], prof["kv_capacity_tokens"]) == (3.2e-4, 3.3e-5, 0.019, 30208)
+    assert prof["decode_per_seq_s"] == 0.00067  # from basedOn llama2-7b-v100
+    assert dep["spec"]["template"]["metadata"]["annotations"][B.ANNOTATION_PROFILE_HASH] == \
+        B.short_hash(cm["data"]["profile.yaml"])
+
+
+def test_emulator_args_parse_with_phasewise_emulate(tmp_path):
+    """The emulator's command line is accepted by phasewise emulate and the profile file loads."""
+    import argparse
+
+    from routerd.emulator.cli import add_parser, settings_from_args
+    from routerd.emulator.server import load_profile
+
+    kids = _children(EMU_SPEC)
+    emu = _container(kids[("Deployment", "chat-engine")], "emulator")
+    prof = tmp_path / "profile.yaml"
+    prof.write_text(kids[("ConfigMap", "chat-routerd")]["data"]["profile.yaml"])
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["emulate", *[str(prof) if a == B.PROFILE_FILE else a for a in emu["args"]]])
+    s = settings_from_args(args, environ={})
+    assert (s.host, s.port, s.model) == ("0.0.0.0", 8000, "m")
+    assert load_profile(s.profile).kv_capacity_tokens == 30208
+
+
+def test_engine_service_has_the_port_names_routerd_watches():
+    svc = _children(GPU_SPEC)[("Service", "chat-engine")]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"] == {"phasewise.io/pool": "chat", "app.kubernetes.io/component": "engine"}
+    assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == \
+        [("http", 8000, "http"), ("state", 50051, "state")]
+    # routerd's own EndpointSlice translation finds url and state address through these names
+    from routerd.daemon.endpointslices import endpoints_from_slices
+
+    slice_ = {"addressType": "IPv4", "metadata": {"name": "chat-engine-x"},
+              "ports": [{"name": p["name"], "port": p["port"]} for p in svc["spec"]["ports"]],
+              "endpoints": [{"addresses": ["10.1.2.3"], "targetRef": {"name": "chat-engine-0"},
+                             "conditions": {"ready": True}}]}
+    (ep,) = endpoints_from_slices([slice_])
+    assert (ep.url, ep.state_address) == ("http://10.1.2.3:8000", "10.1.2.3:50051")
+
+
+def test_routerd_service_and_deployment():
+    kids = _children(GPU_SPEC)
+    svc = kids[("Service", "chat-routerd")]
+    assert svc["spec"]["type"] == "NodePort"
+    assert svc["spec"]["ports"][0] == {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP",
+                                       "appProtocol": "http", "nodePort": 30080}
+    assert svc["spec"]["ports"][1]["name"] == "grpc" and svc["spec"]["ports"][1]["port"] == 50051
+    dep = kids[("Deployment", "chat-routerd")]
+    assert dep["spec"]["replicas"] == 2
+    r = _container(dep, "routerd")
+    assert r["command"] == ["phasewise", "serve"] and r["args"] == ["--config", "/etc/phasewise/routerd.yaml"]
+    assert [(p["name"], p["containerPort"]) for p in r["ports"]] == [("http", 8000), ("grpc", 50051)]
+    assert r["readinessProbe"]["httpGet"]["path"] == "/readyz" and r["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "chat-routerd" and pod["automountServiceAccountToken"] is True
+    assert pod["terminationGracePeriodSeconds"] == 45  # 30 s drain + 15
+    cfg = next(v for v in pod["volumes"] if v["name"] == "config")["configMap"]
+    assert cfg["name"] == "chat-routerd" and cfg["optional"] is True
+    assert [i["path"] for i in cfg["items"]] == ["routerd.yaml", "profile.yaml", "checkpoint/model.safetensors",
+                                               "checkpoint/metadata.json"]
+    assert B.router_url(POOL, parse_pool_spec(GPU_SPEC)) == "http://chat-routerd.llm.svc:8080"
+
+
+def test_routerd_rbac_reads_only_endpointslices():
+    kids = _children(GPU_SPEC)
+    role = kids[("Role", "chat-routerd")]
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    rb = kids[("RoleBinding", "chat-routerd")]
+    assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "chat-routerd"}
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "chat-routerd", "namespace": "llm"}]
+
+
+# ---------------------------------------------------------------- the routerd ConfigMap
+
+def _settings_from_configmap(cm: dict, tmp_path: Path):
+    from routerd.daemon.config import load_settings
+
+    f = tmp_path / "routerd.yaml"
+    f.write_text(cm["data"]["routerd.yaml"])
+    return load_settings(f, environ={})
+
+
+def test_configmap_is_what_routerd_accepts(tmp_path):
+    cm = _children(GPU_SPEC)[("ConfigMap", "chat-routerd")]
+    s = _settings_from_configmap(cm, tmp_path)
+    assert (s.http.port, s.grpc.port) == (8000, 50051)
+    assert s.models == ["llama-2-7b"]
+    assert s.kubernetes.enabled and s.kubernetes.namespace == "llm" and s.kubernetes.service == "chat-engine"
+    assert (s.kubernetes.http_port_name, s.kubernetes.state_port_name) == ("http", "state")
+    assert s.policy.name == "late_binding" and s.policy.params == {"reserve_fraction": 0.1}
+    assert s.profile == "llama2-7b-a100"
+    assert s.predictor == "none"
+    assert (s.router.queue_limit, s.router.action_interval_s) == (256, 0.02)
+    assert s.state.max_age_s == 2.0 and s.reload.watch is True
+    # routerd builds the policy from it (the same call its reload makes)
+    from routerd.daemon.router import build_routing_policy
+    from routerd.model import PREDICTOR_BUCKET_EDGES
+    from routerd.profiles import get_profile
+
+    policy = build_routing_policy(s.policy, get_profile(s.profile), 3, PREDICTOR_BUCKET_EDGES)
+    assert policy.name == "late_binding"
+
+
+def test_inline_profile_is_a_file_routerd_loads(tmp_path):
+    cm = _children(EMU_SPEC)[("ConfigMap", "chat-routerd")]
+    s = _settings_from_configmap(cm, tmp_path)
+    assert s.profile == "/etc/phasewise/profile.yaml"
+    from routerd.profiles import load_profile_file
+
+    f = tmp_path / "profile.yaml"
+    f.write_text(cm["data"]["profile.yaml"])
+    prof = load_profile_file(f)
+    assert prof.name == "chat-inline" and prof.grad1 == 3.2e-4 and prof.max_num_seqs == 128
+
+
+def _checkpoint(n: int = 3) -> B.Checkpoint:
+    meta = json.dumps({"format": "phasewise-dqn/1", "num_instances": n, "variant": "workload-guided"})
+    return B.Checkpoint(config_map="train-1-checkpoint", model_b64=base64.b64encode(b"weights").decode(),
+                        metadata_json=meta)
+
+
+def test_dqn_checkpoint_rides_in_the_configmap(tmp_path):
+    spec = copy.deepcopy(GPU_SPEC)
+    spec["routing"] = {"policy": "dqn", "checkpoint": {"configMap": "train-1-checkpoint"}}
+    ck = _checkpoint()
+    cm = _children(spec, checkpoint=ck)[("ConfigMap", "chat-routerd")]
+    assert cm["binaryData"] == {"checkpoint-model.safetensors": ck.model_b64}
+    assert cm["data"]["checkpoint-metadata.json"] == ck.metadata_json
+    assert f"content {ck.digest}" in cm["data"]["routerd.yaml"]
+    s = _settings_from_configmap(cm, tmp_path)
+    assert s.policy.name == "dqn" and s.policy.params == {"checkpoint": "/etc/phasewise/checkpoint"}
+
+
+def test_reloadable_changes_do_not_restart_routerd():
+    """Policy, its params, profile, queue limit and checkpoint change the ConfigMap but not routerd's pods."""
+    base = _children(GPU_SPEC)
+    changes = []
+    s = copy.deepcopy(GPU_SPEC); s["routing"]["policy"] = "join_shortest_queue"; s["routing"]["params"] = {}
+    changes.append(s)
+    s = copy.deepcopy(GPU_SPEC); s["routing"]["params"] = {"reserve_fraction": 0.2}
+    changes.append(s)
+    s = copy.deepcopy(GPU_SPEC); s["hardwareProfile"] = {"name": "llama2-7b-v100"}
+    changes.append(s)
+    s = copy.deepcopy(GPU_SPEC); s["routing"]["queueLimit"] = 10
+    changes.append(s)
+    for s in changes:
+        kids = _children(s)
+        assert kids[("ConfigMap", "chat-routerd")] != base[("ConfigMap", "chat-routerd")]
+        assert kids[("Deployment", "chat-routerd")] == base[("Deployment", "chat-routerd")]
+        assert kids[("Deployment", "chat-engine")] == base[("Deployment", "chat-engine")]
+    s = copy.deepcopy(GPU_SPEC); s["routing"] = {"policy": "dqn", "checkpoint": {"configMap": "x"}}
+    a, b = _children(s, checkpoint=_checkpoint(3)), _children(s, checkpoint=B.Checkpoint("x", "AAAA", "{}"))
+    assert a[("ConfigMap", "chat-routerd")] != b[("ConfigMap", "chat-routerd")]
+    assert a[("Deployment", "chat-routerd")] == b[("Deployment", "chat-routerd")]
+
+
+def test_start_only_settings_restart_routerd():
+    base = _children(GPU_SPEC)[("Deployment", "chat-routerd")]
+    s = copy.deepcopy(GPU_SPEC); s["routerd"]["logLevel"] = "debug"
+    new = _children(s)[("Deployment", "chat-routerd")]
+    key = B.ANNOTATION_RESTART_HASH
+    assert new["spec"]["template"]["metadata"]["annotations"][key] != \
+        base["spec"]["template"]["metadata"]["annotations"][key]
+
+
+def test_emulated_profile_change_rolls_the_emulators_only():
+    a = _children(EMU_SPEC)
+    s = copy.deepcopy(EMU_SPEC); s["hardwareProfile"]["inline"]["grad1"] = 3.0e-4
+    b = _children(s)
+    assert a[("Deployment", "chat-engine")] != b[("Deployment", "chat-engine")]
+    assert a[("Deployment", "chat-routerd")] == b[("Deployment", "chat-routerd")]
+
+
+def test_predictor_volume_and_path(tmp_path):
+    s = copy.deepcopy(GPU_SPEC)
+    s["predictor"] = {"persistentVolumeClaim": {"claimName": "predictors", "path": "minilm/v3"}}
+    kids = _children(s)
+    dep = kids[("Deployment", "chat-routerd")]
+    vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "predictor")
+    assert vol["persistentVolumeClaim"] == {"claimName": "predictors", "readOnly": True}
+    assert "predictor: /var/lib/phasewise/predictor/minilm/v3\n" in kids[("ConfigMap", "chat-routerd")]["data"]["routerd.yaml"]
+    s["predictor"] = {"name": "length-only"}
+    assert "predictor: length-only\n" in _children(s)[("ConfigMap", "chat-routerd")]["data"]["routerd.yaml"]
+
+
+def test_sidecar_interval_keeps_state_fresh():
+    s = copy.deepcopy(GPU_SPEC); s["sidecar"] = {"intervalSeconds": 1.5}
+    text = _children(s)[("ConfigMap", "chat-routerd")]["data"]["routerd.yaml"]
+    assert yaml.safe_load(text.split("\n", 1)[1])["state"]["max_age_s"] == 6.0
+
+
+def test_bad_inline_profile_names_the_field():
+    s = copy.deepcopy(EMU_SPEC); s["hardwareProfile"]["inline"]["kvCapacityTokens"] = 1024
+    with pytest.raises(SpecError) as e:
+        _children(s)
+    assert e.value.field == "spec.hardwareProfile.inline.kvCapacityTokens"
+    assert "maxModelLen=4096" in e.value.message
+
+
+# ---------------------------------------------------------------- restricted Pod Security Standard
+
+_ALLOWED_VOLUMES = {"configMap", "emptyDir", "persistentVolumeClaim", "secret", "projected", "downwardAPI", "csi",
+                    "ephemeral"}
+
+
+def check_restricted(pod: dict, where: str) -> None:
+    """The restricted Pod Security Standard (v1.37 'restricted' profile), plus a read-only root file system
+    whose writable paths are volumes."""
+    assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), where
+    psc = pod.get("securityContext") or {}
+    assert psc.get("seccompProfile", {}).get("type") == "RuntimeDefault", where
+    assert psc.get("runAsUser", 1) != 0
+    for v in pod.get("volumes") or []:
+        kinds = set(v) - {"name"}
+        assert kinds <= _ALLOWED_VOLUMES, f"{where}: volume {v['name']} of kind {kinds}"
+    for c in (pod.get("initContainers") or []) + pod["containers"]:
+        sc = c.get("securityContext") or {}
+        cw = f"{where}/{c['name']}"
+        assert sc.get("allowPrivilegeEscalation") is False, cw
+        assert sc.get("privileged") is not True, cw
+        assert sc.get("capabilities", {}).get("drop") == ["ALL"], cw
+        assert set(sc.get("capabilities", {}).get("add") or []) <= {"NET_BIND_SERVICE"}, cw
+        assert (sc.get("runAsNonRoot") or psc.get("runAsNonRoot")) is True, cw
+        assert sc.get("runAsUser", psc.get("runAsUser")) not in (0, None), cw
+        assert sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type") == "RuntimeDefault", cw
+        assert sc.get("readOnlyRootFilesystem") is True, cw
+        assert "/tmp" in [m["mountPath"] for m in c.get("volumeMounts") or []], f"{cw}: no writable /tmp"
+        assert not any(p.get("hostPort") for p in c.get("ports") or []), cw
+        names = {m["name"] for m in c.get("volumeMounts") or []}
+        assert names <= {v["name"] for v in pod["volumes"]}, cw
+
+
+@pytest.mark.parametrize("spec", [GPU_SPEC, EMU_SPEC], ids=["vllm", "emulated"])
+def test_every_pod_is_restricted(spec):
+    for obj in _children(spec).values():
+        if obj["kind"] == "Deployment":
+            check_restricted(obj["spec"]["template"]["spec"], obj["metadata"]["name"])
+
+
+def test_vllm_writable_paths_are_volumes():
+    vllm = _container(_children(GPU_SPEC)[("Deployment", "chat-engine")], "vllm")
+    mounts = {m["mountPath"] for m in vllm["volumeMounts"]}
+    for var in ("HOME", "HF_HOME", "XDG_CACHE_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        value = next(e["value"] for e in vllm["env"] if e["name"] == var)
+        assert any(value == m or value.startswith(m + "/") for m in mounts), (var, value)
+    assert {"/tmp", "/dev/shm", "/cache"} <= mounts
+
+
+def test_model_cache_claim():
+    s = copy.deepcopy(GPU_SPEC); s["engine"]["modelCacheClaim"] = "hf-cache"
+    dep = _children(s)[("Deployment", "chat-engine")]
+    vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "models")
+    assert vol["persistentVolumeClaim"] == {"claimName": "hf-cache"}
+    vllm = _container(dep, "vllm")
+    assert next(e["value"] for e in vllm["env"] if e["name"] == "HF_HOME") == "/models"

@@ -1,0 +1,108 @@
+"""Spec parsing and the checks the schema cannot make: each error names the field; operator settings."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "operator"))
+
+from phasewise_operator import settings as OS  # noqa: E402
+from phasewise_operator.spec import SpecError, check_pool, parse_job_spec, parse_pool_spec, profile_label  # noqa: E402
+
+M = {"model": {"name": "m"}}
+
+
+@pytest.mark.parametrize("spec,field,words", [
+    ({"engine": {"replicas": -1}}, "spec.engine.replicas", "greater than or equal to 0"),
+    ({"engine": {"tolerations": [{"operator": "Sometimes"}]}}, "spec.engine.tolerations[0].operator", "'Exists'"),
+    ({"hardwareProfile": {"name": "a", "inline": {"grad1": 1, "grad2": 1, "overheadS": 0, "kvCapacityTokens": 16}}},
+     "spec.hardwareProfile", "exactly one"),
+    ({"routing": {"queueLimit": 0}}, "spec.routing.queueLimit", "greater than or equal to 1"),
+    ({"routerd": {"service": {"type": "ExternalName"}}}, "spec.routerd.service.type", "'ClusterIP'"),
+])
+def test_parse_errors_name_the_camelcase_field(spec, field, words):
+    with pytest.raises(SpecError) as e:
+        parse_pool_spec({**M, **spec})
+    assert e.value.field == field and words in e.value.message
+    assert str(e.value).startswith(field + ": ")
+
+
+def test_missing_spec_and_model():
+    with pytest.raises(SpecError, match="^spec: missing"):
+        parse_pool_spec(None)
+    with pytest.raises(SpecError, match="^spec.model: Field required"):
+        parse_pool_spec({})
+
+
+@pytest.mark.parametrize("spec,field,words", [
+    ({"routing": {"policy": "fastest"}}, "spec.routing.policy", "unknown policy 'fastest'; valid: round_robin"),
+    ({"routing": {"policy": "oracle"}}, "spec.routing.policy", "oracle policy runs only in the simulator"),
+    ({"routing": {"policy": "late_binding", "params": {"reserve_fraction": 1.5}}},
+     "spec.routing.params.reserve_fraction", "less than 1"),
+    ({"routing": {"policy": "late_binding", "params": {"speed": 2}}}, "spec.routing.params.speed", "reserve_fraction"),
+    ({"routing": {"policy": "dqn"}}, "spec.routing.checkpoint", "needs a checkpoint"),
+    ({"routing": {"policy": "dqn", "checkpoint": {"configMap": "c"}, "params": {"checkpoint": "/x"}}},
+     "spec.routing.params.checkpoint", "routing.checkpoint.configMap"),
+    ({"hardwareProfile": {"name": "h100-dream"}}, "spec.hardwareProfile.name", "unknown profile 'h100-dream'"),
+    ({"hardwareProfile": {"inline": {"basedOn": "nope", "grad1": 1e-4, "grad2": 1e-5, "overheadS": 0,
+                                     "kvCapacityTokens": 8192}}},
+     "spec.hardwareProfile.inline.basedOn", "unknown profile 'nope'"),
+    ({"hardwareProfile": {"inline": {"grad1": 1e-4, "grad2": 1e-5, "overheadS": 0, "kvCapacityTokens": 8200}}},
+     "spec.hardwareProfile.inline.kvCapacityTokens", "not a multiple of blockSize=16"),
+    ({"predictor": {"name": "oracle-bucket"}}, "spec.predictor.name", "unknown predictor baseline"),
+    ({"emulated": True, "engine": {"resources": {"requests": {"nvidia.com/gpu": 1}}}},
+     "spec.engine.resources", "must not request nvidia.com/gpu"),
+    ({"emulated": True, "engine": {"args": ["--enforce-eager"]}}, "spec.engine.args", "emulated pool must not"),
+    ({"engine": {"port": 9000}, "sidecar": {"port": 9000}}, "spec.sidecar.port", "must differ"),
+])
+def test_checks_beyond_the_schema_name_the_field(spec, field, words):
+    ps = parse_pool_spec({**M, **spec})
+    with pytest.raises(SpecError) as e:
+        check_pool(ps)
+    assert e.value.field == field, e.value
+    assert words in e.value.message, e.value
+
+
+def test_good_specs_pass_and_label_their_profile():
+    ps = parse_pool_spec({**M, "routing": {"policy": "dqn", "checkpoint": {"configMap": "c"},
+                                           "params": {"allow_hold": False}}})
+    check_pool(ps)
+    assert profile_label(ps) == "llama2-7b-v100"
+    ps = parse_pool_spec({**M, "hardwareProfile": {"inline": {"basedOn": "llama2-7b-a100", "grad1": 5e-5,
+                                                              "grad2": 3.3e-5, "overheadS": 0.01,
+                                                              "kvCapacityTokens": 118784}}})
+    check_pool(ps)
+    assert profile_label(ps) == "inline(llama2-7b-a100)"
+    assert ps.model.served == "m"
+
+
+def test_job_spec():
+    js = parse_job_spec({"poolRef": {"name": "p"}, "task": "train"})
+    assert js.train_task.episodes == 30 and js.apply is True and js.profile_task.args == []
+    with pytest.raises(SpecError) as e:
+        parse_job_spec({"poolRef": {"name": "p"}, "task": "bench"})
+    assert e.value.field == "spec.task"
+
+
+def test_settings_from_env():
+    s = OS.from_env({"PHASEWISE_NAMESPACES": "a, b,", "PHASEWISE_ROUTERD_IMAGE": "r:1",
+                     "PHASEWISE_RESYNC_SECONDS": "60", "PHASEWISE_PEERING_MODE": "mandatory"})
+    assert s.namespaces == ("a", "b") and not s.clusterwide
+    assert s.routerd_image == "r:1" and s.resync_seconds == 60.0 and s.peering_mode == "mandatory"
+    assert OS.from_env({}).clusterwide and OS.from_env({}).peering_priority == 0
+    with pytest.raises(OS.SettingsError, match=r"^PHASEWISE_RESYNC_SECONDS='0.5': .*greater than or equal to 1"):
+        OS.from_env({"PHASEWISE_RESYNC_SECONDS": "0.5"})
+    with pytest.raises(OS.SettingsError, match="PHASEWISE_PEERING_MODE"):
+        OS.from_env({"PHASEWISE_PEERING_MODE": "leader"})
+
+
+def test_peering_priorities_differ_per_replica():
+    """kopf pauses every operator that shares the highest priority: replicas must get distinct ones."""
+    names = [f"phasewise-operator-7d9f8c6b5-{s}" for s in ("x2k4p", "q9z7m", "b8n3v", "l0w1e")]
+    prios = [OS.from_env({"POD_NAME": n}).peering_priority for n in names]
+    assert len(set(prios)) == len(prios) and all(1 <= p < 2**31 for p in prios)
+    assert OS.from_env({"POD_NAME": names[0], "PHASEWISE_PEERING_PRIORITY": "7"}).peering_priority == 7

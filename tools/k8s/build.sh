@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Build the Kubernetes test binaries (kube-apiserver, kube-controller-manager, kubectl,
+# etcd, helm) from their official Go modules into a cache directory outside the repo.
+#
+#   tools/k8s/build.sh              build what is missing, verify every --version
+#   tools/k8s/build.sh --print-bin  print the cache directory and exit
+#   tools/k8s/build.sh --regen      rewrite the tools modules' go.mod/go.sum for the
+#                                   versions in K8S_VERSION / ETCD_VERSION / HELM_VERSION
+#
+# The versions are read from the committed go.mod files of the three tools modules
+# (tools/k8s/{kube,etcd,helm}); they key the cache directory:
+#   ${PHASEWISE_K8S_BIN:-$HOME/.cache/phasewise/k8s/<k8s>-etcd<etcd>-helm<helm>}
+# Idempotent: a binary that exists and reports the expected version is not rebuilt.
+# Each binary is built into a temporary name and renamed, so an interrupted build never
+# leaves a half-written binary behind. A lock serialises concurrent runs.
+# Uses only the Go module proxy (GOPROXY/GOSUMDB/GOFLAGS are left as the machine has them).
+# See docs/k8s-testing.md for what was measured.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "$0")" && pwd)
+
+gomod_version() {  # gomod_version DIR MODULE -> version required in DIR/go.mod (no leading v)
+  (cd "$1" && go mod edit -json) | python3 -c '
+import json, sys
+mod = sys.argv[1]
+for r in json.load(sys.stdin).get("Require") or []:
+    if r["Path"] == mod:
+        print(r["Version"].lstrip("v")); break
+else:
+    sys.exit(f"{mod} not required in go.mod")' "$2"
+}
+
+regen() {
+  local k8s=${K8S_VERSION:-1.37.2} etcd=${ETCD_VERSION:-3.7.3} helm=${HELM_VERSION:-3.22.0}
+  local staging=0.${k8s#1.} up m
+  # go 1.26.0, not the local toolchain's patch release that `go mod init` would write,
+  # so any Go 1.26.x builds it; `go get` raises it if a dependency needs more.
+  echo "regenerating tools modules: k8s v$k8s (staging v$staging), etcd v$etcd, helm v$helm"
+  # kube: k8s.io/kubernetes requires every staging module at v0.0.0 and resolves them with
+  # replace => ./staging/...; a consumer must replace each with its published version.
+  rm -f "$HERE/kube/go.mod" "$HERE/kube/go.sum"
+  (cd "$HERE/kube" && go mod init local.invalid/phasewise-k8s-tools >/dev/null 2>&1 &&
+    go mod edit -go=1.26.0 &&
+    up=$(go mod download -json "k8s.io/kubernetes@v$k8s" |
+      python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])') &&
+    for m in $(sed -n 's#^[[:space:]]*\(k8s\.io/[A-Za-z0-9._-]*\) => \./staging/.*#\1#p' "$up"); do
+      go mod edit -replace="${m}=${m}@v${staging}"
+    done &&
+    go mod edit -godebug=default=go1.26 &&
+    go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@v$k8s" \
+      "k8s.io/kubernetes/cmd/kube-controller-manager@v$k8s" \
+      "k8s.io/kubernetes/cmd/kubectl@v$k8s" &&
+    go mod tidy)
+  # etcd: its own module (MVS would otherwise mix its server with k8s's etcd client).
+  rm -f "$HERE/etcd/go.mod" "$HERE/etcd/go.sum"
+  (cd "$HERE/etcd" && go mod init local.invalid/phasewise-etcd-tools >/dev/null 2>&1 &&
+    go mod edit -go=1.26.0 &&
+    go get -tool "go.etcd.io/etcd/server/v3@v$etcd" && go mod tidy)
+  # helm: its own module too (it pins its own client-go).
+  rm -f "$HERE/helm/go.mod" "$HERE/helm/go.sum"
+  (cd "$HERE/helm" && go mod init local.invalid/phasewise-helm-tools >/dev/null 2>&1 &&
+    go mod edit -go=1.26.0 &&
+    go get -tool "helm.sh/helm/v3/cmd/helm@v$helm" && go mod tidy)
+}
+
+case "${1:-}" in
+  --regen) regen; exit 0 ;;
+  --print-bin|"") ;;
+  *) echo "usage: $0 [--print-bin|--regen]" >&2; exit 2 ;;
+esac
+
+command -v go >/dev/null || { echo "build.sh: go not found (Go >= 1.26 needed)" >&2; exit 1; }
+
+K8S=$(gomod_version "$HERE/kube" k8s.io/kubernetes)
+ETCD=$(gomod_version "$HERE/etcd" go.etcd.io/etcd/server/v3)
+HELM=$(gomod_version "$HERE/helm" helm.sh/helm/v3)
+BIN=${PHASEWISE_K8S_BIN:-$HOME/.cache/phasewise/k8s/$K8S-etcd$ETCD-helm$HELM}
+if [ "${1:-}" = "--print-bin" ]; then echo "$BIN"; exit 0; fi
+
+mkdir -p "$BIN"
+exec 9>"$BIN/.lock"
+flock 9
+
+# Expected first line of each binary's version output.
+want() {
+  case "$1" in
+    kube-apiserver|kube-controller-manager) echo "Kubernetes v$K8S" ;;
+    kubectl) echo "Client Version: v$K8S" ;;
+    etcd) echo "etcd Version: $ETCD" ;;
+    helm) echo "v$HELM" ;;
+  esac
+}
+got() {
+  local b="$BIN/$1"
+  [ -x "$b" ] || return 0
+  case "$1" in
+    kube-apiserver|kube-controller-manager) "$b" --version 2>/dev/null | head -n1 ;;
+    kubectl) "$b" version --client 2>/dev/null | head -n1 ;;
+    etcd) "$b" --version 2>/dev/null | head -n1 ;;
+    helm) "$b" version --template '{{.Version}}' 2>/dev/null ;;
+  esac
+}
+ok() { [ "$(got "$1")" = "$(want "$1")" ]; }
+
+timed() {  # timed LABEL CMD... : run CMD, print its wall time
+  local label=$1 t0=$SECONDS
+  shift
+  "$@" || return  # (set -e does not apply inside the && lists below)
+  echo "build.sh: $label built in $((SECONDS - t0)) s"
+}
+
+tmp=$(mktemp -d "$BIN/.build.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+export CGO_ENABLED=0
+
+# k8s: the flags upstream's hack/lib/golang.sh uses (static, -trimpath, -s -w, tags), plus
+# the version stamp of hack/lib/version.sh: without it /version says v0.0.0-master, which
+# breaks helm's .Capabilities.KubeVersion and kubeVersion: constraints.
+kube=()
+for b in kube-apiserver kube-controller-manager kubectl; do ok "$b" || kube+=("k8s.io/kubernetes/cmd/$b"); done
+if [ ${#kube[@]} -gt 0 ]; then
+  minor=$(echo "$K8S" | cut -d. -f2)
+  ldf="-s -w"
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldf+=" -X $p.gitVersion=v$K8S -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+  done
+  echo "build.sh: building ${kube[*]##*/} v$K8S into $BIN"
+  (cd "$HERE/kube" && timed "${kube[*]##*/}" go build -trimpath -tags=selinux,notest,grpcnotrace \
+    -ldflags="$ldf" -o "$tmp/" "${kube[@]}")
+  for p in "${kube[@]}"; do mv -f "$tmp/${p##*/}" "$BIN/${p##*/}"; done
+fi
+
+# etcd: the module root of go.etcd.io/etcd/server/v3 is its main package; -o names the
+# binary (Go would call it "server"). Its version is a source constant: no -X needed.
+if ! ok etcd; then
+  echo "build.sh: building etcd v$ETCD into $BIN"
+  (cd "$HERE/etcd" && timed etcd go build -trimpath -ldflags="-s -w" -o "$tmp/etcd" go.etcd.io/etcd/server/v3)
+  mv -f "$tmp/etcd" "$BIN/etcd"
+fi
+
+# helm: stamp the version (the source default has no patch number) and, as helm's
+# Makefile does, the Kubernetes version `helm template`/`helm lint` assume offline
+# (k8s.io/client-go v0.X.Y -> 1.X).
+if ! ok helm; then
+  cg=$(gomod_version "$HERE/helm" k8s.io/client-go)
+  hmaj=$(( ${cg%%.*} + 1 )); hmin=$(echo "$cg" | cut -d. -f2)
+  ldf="-s -w -X helm.sh/helm/v3/internal/version.version=v$HELM -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+  for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+    ldf+=" -X $p.k8sVersionMajor=$hmaj -X $p.k8sVersionMinor=$hmin"
+  done
+  echo "build.sh: building helm v$HELM into $BIN"
+  (cd "$HERE/helm" && timed helm go build -trimpath -ldflags="$ldf" -o "$tmp/helm" helm.sh/helm/v3/cmd/helm)
+  mv -f "$tmp/helm" "$BIN/helm"
+fi
+
+fail=0
+for b in kube-apiserver kube-controller-manager kubectl etcd helm; do
+  if ok "$b"; then
+    printf 'build.sh: %-24s %-28s %s\n' "$b" "$(got "$b")" "$(du -h "$BIN/$b" | cut -f1)"
+  else
+    echo "build.sh: $b: expected '$(want "$b")', got '$(got "$b")'" >&2; fail=1
+  fi
+done
+[ "$fail" = 0 ] && echo "build.sh: binaries ready in $BIN"
+exit "$fail"
