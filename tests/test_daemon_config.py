@@ -102,3 +102,16 @@ def test_policy_profile_and_predictor_are_checked_at_start():
         Daemon(load_settings(None, environ={}, overrides={"profile": "no-such-profile"}))
     with pytest.raises(ConfigError, match="^predictor: unknown predictor 'nope'"):
         Daemon(load_settings(None, environ={}, overrides={"predictor": "nope"}))
+
+
+def test_another_policy_by_flag_or_environment_drops_the_files_parameters(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("policy: {name: late_binding, params: {reserve_fraction: 0.2}}\n")
+    s = load_settings(p, environ={}, overrides={"policy": {"name": "round_robin", "params": {}}},
+                      override_flags={"policy": "--policy"})
+    assert (s.policy.name, dict(s.policy.params)) == ("round_robin", {})
+    s = load_settings(p, environ={"PHASEWISE_POLICY__NAME": "join_shortest_queue"})
+    assert (s.policy.name, dict(s.policy.params)) == ("join_shortest_queue", {})
+    # The same policy keeps the file's parameters and takes the environment's on top.
+    s = load_settings(p, environ={"PHASEWISE_POLICY__PARAMS__MAX_WAITING": "3"})
+    assert s.policy.name == "late_binding" and dict(s.policy.params) == {"reserve_fraction": 0.2, "max_waiting": "3"}

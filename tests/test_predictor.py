@@ -243,6 +243,7 @@ def test_load_predictor_folder_without_metadata(tmp_path):
 
 
 def test_load_baseline_from_shared_data(shared_data):
+    pytest.importorskip("sklearn")  # the length-only baseline is scikit-learn's
     lt = load_predictor("length+task", data_dir=shared_data)
     out = lt.predict([("Write a haiku", 5, "gpteacher:roleplay"), ("", 40, None)])
     assert out[0] == 0 and len(out) == 2
@@ -303,6 +304,8 @@ def test_cli_bad_jsonl_one_line(tmp_path, capsys):
 
 def test_cli_predict_baseline(shared_data, tmp_path, capsys):
     import json
+
+    pytest.importorskip("sklearn")  # the length-only baseline is scikit-learn's
 
     p = tmp_path / "in.jsonl"
     p.write_bytes(b'{"prompt": "Write a long essay", "prompt_tokens": 5, "task": "gpteacher:coding"}\n'

@@ -280,6 +280,14 @@ def _env(pairs: Mapping[str, str]) -> list[dict[str, Any]]:
     return [{"name": k, "value": v} for k, v in pairs.items()]
 
 
+def _merge_env(fixed: Mapping[str, str], user) -> list[dict[str, Any]]:
+    """The operator's variables, then ``engine.env``; a user variable replaces a fixed one of the same name
+    (server-side apply refuses a container with two variables of one name)."""
+    user_env = [v.model_dump(by_alias=True, exclude_none=True) for v in user]
+    user_names = {v["name"] for v in user_env}
+    return [v for v in _env(fixed) if v["name"] not in user_names] + user_env
+
+
 _POD_ENV = [
     {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -301,9 +309,7 @@ def vllm_container(spec: PoolSpec, settings: OperatorSettings) -> dict[str, Any]
         "TRITON_CACHE_DIR": "/cache/triton", "TORCHINDUCTOR_CACHE_DIR": "/cache/torchinductor",
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
     }
-    user_env = [v.model_dump(by_alias=True, exclude_none=True) for v in e.env]
-    user_names = {v["name"] for v in user_env}
-    env = [v for v in _env(fixed_env) if v["name"] not in user_names] + user_env
+    env = _merge_env(fixed_env, e.env)
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": "/cache"},
               {"name": "dshm", "mountPath": "/dev/shm"}]
     if e.model_cache_claim:
@@ -339,8 +345,7 @@ def emulator_container(spec: PoolSpec, settings: OperatorSettings) -> dict[str, 
         "args": ["--host", "0.0.0.0", "--port", str(e.port), "--profile", PROFILE_FILE,
                  "--model", spec.model.served],
         "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}],
-        "env": [{"name": "HOME", "value": "/tmp"},
-                *[v.model_dump(by_alias=True, exclude_none=True) for v in e.env]],
+        "env": _merge_env({"HOME": "/tmp"}, e.env),
         "resources": _resources(e.resources, _EMULATOR_DEFAULT_RESOURCES),
         "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 3},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
@@ -564,3 +569,50 @@ def pool_children(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings, *,
         routerd_service(pool, spec),
         routerd_deployment(pool, spec, settings, checkpoint=checkpoint),
     ]
+
+
+# ---------------------------------------------------------------- errors back to the pool's fields
+
+_MAIN = r'containers(\[0\]|\[name="(vllm|emulator)"\])'
+_BLAME: list[tuple[str, str, str, str]] = [
+    # (kind, component, pattern in the API server's message, the pool field it comes from)
+    ("Deployment", "engine", _MAIN + r"\.resources", "spec.engine.resources"),
+    ("Deployment", "engine", _MAIN + r"\.env", "spec.engine.env"),
+    ("Deployment", "engine", r'containers(\[0\]|\[name="vllm"\])\.image', "spec.engine.image"),
+    ("Deployment", "engine", r'containers(\[0\]|\[name="emulator"\])\.image', "spec.routerd.image"),
+    ("Deployment", "engine", r'containers(\[0\]|\[name="vllm"\])\.args', "spec.engine.args"),
+    ("Deployment", "engine", r'containers(\[1\]|\[name="sidecar"\])\.resources', "spec.sidecar.resources"),
+    ("Deployment", "engine", r'containers(\[1\]|\[name="sidecar"\])\.image', "spec.routerd.image"),
+    ("Deployment", "engine", r"tolerations", "spec.engine.tolerations"),
+    ("Deployment", "engine", r"nodeSelector", "spec.engine.nodeSelector"),
+    ("Deployment", "engine", r"emptyDir\.sizeLimit|\.sizeLimit", "spec.engine.sharedMemory"),
+    ("Deployment", "engine", r"persistentVolumeClaim|claimName", "spec.engine.modelCacheClaim"),
+    ("Deployment", "routerd", r'containers(\[0\]|\[name="routerd"\])\.resources', "spec.routerd.resources"),
+    ("Deployment", "routerd", r'containers(\[0\]|\[name="routerd"\])\.image', "spec.routerd.image"),
+    ("Deployment", "routerd", r"persistentVolumeClaim|claimName", "spec.predictor.persistentVolumeClaim"),
+    ("Deployment", "", r"imagePullSecrets", "spec.imagePullSecrets"),
+    ("Deployment", "", r"\.replicas", "spec.engine.replicas"),
+    ("Service", "routerd", r"metadata\.annotations", "spec.routerd.service.annotations"),
+    ("Service", "routerd", r"nodePort", "spec.routerd.service.nodePort"),
+    ("Service", "routerd", r"spec\.type|loadBalancer", "spec.routerd.service.type"),
+    ("Service", "routerd", r"ports", "spec.routerd.service.port"),
+    ("Service", "engine", r"ports", "spec.engine.port"),
+]
+
+
+def blame(obj: Mapping[str, Any], message: str) -> str | None:
+    """The pool field a refused child's API error comes from, e.g. ``spec.engine.resources`` for
+    ``spec.template.spec.containers[0].resources.limits[cpu]: Invalid value`` on ``P-engine``; None if unknown.
+
+    The API server names the child's own field; a user wrote the pool's, so the pool's
+    Degraded message starts with that one (as InvalidSpec messages do).
+    """
+    import re
+
+    component = ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_COMPONENT, "")
+    for kind, comp, pattern, field in _BLAME:
+        if obj.get("kind") == kind and comp in ("", component) and re.search(pattern, message):
+            if field == "spec.engine.replicas" and component == "routerd":
+                field = "spec.routerd.replicas"
+            return field
+    return None

@@ -36,8 +36,10 @@ DEFAULT_PROFILE = "llama2-7b-v100"
 """The default hardware profile, as ``phasewise bench``."""
 
 _QUANTITY = {
+    # Kubernetes' Quantity pattern without the minus sign: no resource or size here may be negative
+    # (a negative integer gets past it; the Deployment then is refused, naming the pool field).
     "anyOf": [{"type": "integer"}, {"type": "string"}],
-    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+    "pattern": r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
     "x-kubernetes-int-or-string": True,
 }
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -137,6 +139,10 @@ _ENV = {
     "type": "array",
     "description": "Environment variables of the container (Kubernetes EnvVar, e.g. HF_TOKEN from a Secret).",
     "maxItems": 64,
+    # A map keyed by name: the API server refuses two variables of one name (naming the
+    # item), which server-side apply of the Deployment would refuse later anyway.
+    "x-kubernetes-list-type": "map",
+    "x-kubernetes-list-map-keys": ["name"],
     "items": _o("One variable.", {
         "name": _s("Variable name.", minLength=1, maxLength=256),
         "value": _s("Value."),

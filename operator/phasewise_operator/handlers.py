@@ -47,6 +47,26 @@ JOBS = "llmrouterjobs"
 CRD_WAIT_S = 120.0
 
 
+class DigestDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's last-handled-configuration annotation, holding a SHA-256 of each top-level stanza.
+
+    kopf keeps the whole spec in an annotation to tell spec changes from others, but all
+    annotations of an object share 256 KiB: a large spec that the API server accepts
+    (long env values or arguments, applied server-side) would make every kopf write
+    fail and retry forever. The handlers need only whether ``spec`` changed, which the
+    digest tells just as well, in a hundred bytes.
+    """
+
+    def build(self, *, body, extra_fields=None):
+        import hashlib
+        import json
+
+        essence = super().build(body=body, extra_fields=extra_fields)
+        return {k: {"sha256": hashlib.sha256(json.dumps(v, sort_keys=True, separators=(",", ":"))
+                                             .encode()).hexdigest()}
+                for k, v in essence.items()}
+
+
 def _wait_for_crds(kube: Kube, timeout: float = CRD_WAIT_S) -> None:
     """Block until ``phasewise.io/v1alpha1`` serves both kinds (kopf resolves resources once, at start)."""
     deadline = time.monotonic() + timeout
@@ -80,7 +100,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.
     """kopf settings and the shared :class:`Controller` (in ``memo``)."""
     ops = from_env()
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = DigestDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.scanning.disabled = True
@@ -151,13 +171,16 @@ def forget_pool(namespace: str, name: str, memo: kopf.Memo, **_) -> None:
     memo.controller.forget("pool", namespace, name)
 
 
-def _child_event(event: dict, namespace: str, labels: dict, memo: kopf.Memo, logger: logging.Logger) -> None:
+def _child_event(event: dict, namespace: str, labels: dict, memo: kopf.Memo, logger: logging.Logger,
+                 deployment: bool = False) -> None:
     pool = labels.get(LABEL_POOL)
     if not pool or not hasattr(memo, "controller"):
         return
     try:
         if event.get("type") == "DELETED":
             memo.controller.reconcile_pool(namespace, pool)
+        elif deployment and isinstance(event.get("object"), dict):
+            memo.controller.deployment_changed(namespace, pool, event["object"])
         else:
             memo.controller.refresh_pool_status(namespace, pool)
     except ApiError as e:
@@ -167,8 +190,9 @@ def _child_event(event: dict, namespace: str, labels: dict, memo: kopf.Memo, log
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_POOL: kopf.PRESENT})
 def deployment_event(event: dict, namespace: str, labels: dict, memo: kopf.Memo, logger: logging.Logger,
                      **_) -> None:
-    """A pool's Deployment changed: refresh the pool's status (recreate it if it was deleted)."""
-    _child_event(event, namespace, labels, memo, logger)
+    """A pool's Deployment changed: refresh the pool's status (recreate it if it was deleted, re-apply it
+    if it was edited by hand)."""
+    _child_event(event, namespace, labels, memo, logger, deployment=True)
 
 
 @kopf.on.event("discovery.k8s.io", "v1", "endpointslices", labels={LABEL_POOL: kopf.PRESENT})

@@ -341,14 +341,25 @@ def checkpoint_from_configmap(cm: Mapping[str, Any]) -> Checkpoint:
         raise ResultError(f"ConfigMap {name}: {RESULT_METADATA} is not JSON ({e.msg})") from None
     if not isinstance(parsed, dict):
         raise ResultError(f"ConfigMap {name}: {RESULT_METADATA} is not a JSON object")
+    # What routerd's load_checkpoint refuses, checked here so the pool says so (and the
+    # operator never trips over a value of the wrong type further on).
+    n = parsed.get("num_instances")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ResultError(f"ConfigMap {name}: {RESULT_METADATA} num_instances={n!r} is not a positive integer")
+    from routerd.policies.dqn.checkpoint import FORMAT
+    from routerd.policies.dqn.features import OBS_VERSION
+
+    for key, want in (("format", FORMAT), ("obs_version", OBS_VERSION)):
+        if key in parsed and parsed[key] != want:
+            raise ResultError(f"ConfigMap {name}: {RESULT_METADATA} {key} is {parsed[key]!r}, routerd expects "
+                              f"{want!r} (retrain with a train LLMRouterJob)")
     return Checkpoint(config_map=name, model_b64=model, metadata_json=meta)
 
 
 def checkpoint_problem(ckpt: Checkpoint, replicas: int) -> str | None:
     """Why routerd would refuse the checkpoint for a pool of ``replicas`` instances, or None."""
-    meta = json.loads(ckpt.metadata_json)
-    n = meta.get("num_instances")
-    if n is not None and int(n) != replicas:
+    n = json.loads(ckpt.metadata_json).get("num_instances")
+    if n != replicas:
         return (f"checkpoint {ckpt.config_map} was trained for {n} instances; spec.engine.replicas is {replicas} "
                 "(routerd refuses it and routes round robin)")
     return None

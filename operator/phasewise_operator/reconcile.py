@@ -69,6 +69,8 @@ class Controller:
         self._locks: dict[tuple[str, str, str], threading.Lock] = {}
         self._guard = threading.Lock()
         self._refresh_pending: set[tuple[str, str]] = set()
+        # (namespace, pool) -> {Deployment uid: metadata.generation after this operator's last apply}
+        self._applied_generations: dict[tuple[str, str], dict[str, int]] = {}
 
     def _lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
         with self._guard:
@@ -78,6 +80,8 @@ class Controller:
         """Drop the lock of a deleted object."""
         with self._guard:
             self._locks.pop((kind, namespace, name), None)
+            if kind == "pool":
+                self._applied_generations.pop((namespace, name), None)
 
     # ------------------------------------------------------------ pools
 
@@ -129,7 +133,7 @@ class Controller:
                 ckpt, problem = self._load_checkpoint(pool, spec)
                 if problem is not None:
                     outcome = Outcome(ok=False, message=problem.message,
-                                      retry_after=10.0 if problem.reason == "CheckpointNotFound" else 60.0)
+                                      retry_after=10.0)  # a fixed ConfigMap or spec is seen soon
             if problem is None:
                 try:
                     children = builders.pool_children(pool, spec, self.settings, checkpoint=ckpt)
@@ -139,14 +143,22 @@ class Controller:
             if problem is None:
                 for obj in children:
                     try:
-                        self.kube.apply(obj)
+                        stored = self.kube.apply(obj)
                     except ApiError as e:
                         what = f"{obj['kind']} {obj['metadata']['name']}: {e.message}"
+                        field_ = builders.blame(obj, e.message)
+                        if field_:
+                            what = f"{field_}: {what}"
                         problem = status.Problem("ApplyFailed", what)
                         outcome = Outcome(ok=False, message=what, permanent=e.permanent,
                                           retry_after=None if e.permanent else 10.0)
                         break
                     outcome.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
+                    smeta = (stored or {}).get("metadata") or {}
+                    if obj["kind"] == "Deployment" and smeta.get("uid"):
+                        with self._guard:
+                            self._applied_generations.setdefault((namespace, name), {})[smeta["uid"]] = \
+                                int(smeta.get("generation", 0))
             if problem is None:
                 cm = next(c for c in children if c["kind"] == "ConfigMap")
                 extra = {
@@ -176,6 +188,33 @@ class Controller:
         new.update(extra)
         if not status.same_status(current, new):
             self.kube.patch_status(*POOL, pool.namespace, pool.name, new)
+
+    def deployment_changed(self, namespace: str, pool: str, deployment: dict) -> None:
+        """A Deployment of the pool changed: re-apply the pool when someone else changed its spec (a
+        hand edit, ``kubectl scale deployment``), else refresh the pool's status.
+
+        The spec changed when its ``metadata.generation`` is past the one this operator's
+        last apply returned. That check is repeated under the pool's lock, where an apply
+        in flight has recorded its own generation, so the operator's own writes do not
+        trigger a second reconcile.
+        """
+        meta = deployment.get("metadata") or {}
+        uid, generation = meta.get("uid"), int(meta.get("generation", 0) or 0)
+
+        def drifted() -> bool:
+            with self._guard:
+                known = self._applied_generations.get((namespace, pool), {}).get(uid)
+            return known is not None and generation > known
+
+        if uid and drifted():
+            with self._lock("pool", namespace, pool):
+                again = drifted()
+            if again:
+                log.info(f"Deployment {namespace}/{meta.get('name')} was changed by hand (generation "
+                         f"{generation}): re-applying pool {pool}")
+                self.reconcile_pool(namespace, pool)
+                return
+        self.refresh_pool_status(namespace, pool)
 
     def refresh_pool_status(self, namespace: str, name: str) -> None:
         """Rewrite the observed part of the status after a child changed (no apply).
@@ -209,6 +248,8 @@ class Controller:
 
     def _job_status(self, namespace: str, name: str, st: dict[str, Any], now: str, previous: dict) -> None:
         phase = st.get("phase") or "Pending"
+        if st.get("message"):
+            st["message"] = status.clip(st["message"])
         gen = int(st.get("observedGeneration", 1))
         prev = previous.get("conditions") or []
         st["conditions"] = [
@@ -218,6 +259,17 @@ class Controller:
         ]
         if not status.same_status(previous, st):
             self.kube.patch_status(*JOB, namespace, name, st)
+
+    def _stop_batch(self, namespace: str, name: str) -> None:
+        """Suspend the job's batch Job if it exists and runs (its pods are terminated; nothing is deleted)."""
+        batch = self.kube.get("batch/v1", "Job", namespace, name)
+        if batch is None or jobs.job_phase(batch)[0] in ("Succeeded", "Failed") or \
+                (batch.get("spec") or {}).get("suspend"):
+            return
+        try:
+            self.kube.merge_patch("batch/v1", "Job", namespace, name, {"spec": {"suspend": True}})
+        except ApiError as e:
+            log.warning(f"suspending batch Job {namespace}/{name}: {e}")
 
     def reconcile_job(self, namespace: str, name: str) -> Outcome:
         """Start the batch Job once the pool is ready for it; when it ends, write results (and the pool).
@@ -257,6 +309,7 @@ class Controller:
             if pool_body is None:
                 msg = f"spec.poolRef.name: LLMRouterPool {spec.pool_ref.name!r} not found in namespace {namespace}"
                 if _age_s(meta.get("creationTimestamp")) > self.settings.job_pool_grace_seconds:
+                    self._stop_batch(namespace, name)  # deleted mid-run: its result has nowhere to go
                     return fail(msg)
                 return wait(msg, 10.0)
             pmeta = pool_body["metadata"]

@@ -19,6 +19,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+MESSAGE_MAX = 4096
+"""Condition messages are cut to this many characters (the schema allows 32768; an API server's
+error can quote a user's value at any length, and a refused status write would leave the
+status stale and the handler retrying)."""
+
+_CUT = " ... (truncated)"
+
+
+def clip(message: str, limit: int = MESSAGE_MAX) -> str:
+    """``message`` cut to at most ``limit`` characters, saying so."""
+    return message if len(message) <= limit else message[:limit - len(_CUT)] + _CUT
+
+
 ENDPOINTS_LISTED = 512
 """At most this many endpoints go into ``status.endpoints`` (the status object stays small)."""
 
@@ -83,6 +96,7 @@ def condition(ctype: str, status: bool, reason: str, message: str, *, now: str, 
               previous: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """A metav1.Condition; ``lastTransitionTime`` is kept from ``previous`` when the status did not change."""
     value = "True" if status else "False"
+    message = clip(message)
     since = now
     for c in previous:
         if c.get("type") == ctype and c.get("status") == value and c.get("lastTransitionTime"):

@@ -267,6 +267,28 @@ _DATA_PLANE_COMMANDS = {
 }
 
 
+def run_data_plane_command(command: str, argv: Sequence[str] | None = None) -> int:
+    """``python -m routerd.<package> [flags]``: one data-plane command, importing only its module.
+
+    The same as ``phasewise <command> [flags]`` without loading the other commands
+    (faster start-up for the daemon, sidecar and emulator processes). Bad settings print
+    one line and return 2.
+    """
+    from routerd.errors import ConfigError
+
+    module = importlib.import_module(_DATA_PLANE_COMMANDS[command])
+    parser = argparse.ArgumentParser(prog=f"python -m {module.__name__.rsplit('.', 1)[0]}")
+    module.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([command, *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return module.run(args)
+    except ConfigError as e:
+        print(f"phasewise: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``phasewise`` console script; returns the exit code."""
     from routerd.policies.registry import PolicyError

@@ -72,6 +72,7 @@ class Operator:
         self.outputs: list[str] = []
 
     def start(self):
+        pytest.importorskip("kopf", reason="the operator needs the extra: pip install -e '.[operator]'")
         from kopf.testing import KopfRunner
 
         self.runner = KopfRunner(["run", "--all-namespaces", "--standalone", "-m", "phasewise_operator.handlers"],
@@ -538,6 +539,7 @@ def test_rendered_stack_serves_and_reloads_a_policy_change(k8s, kube, operator, 
 def test_python_dash_m_entry_point(k8s, kube, crds, namespace):
     """``python -m phasewise_operator`` as its own process: liveness answers, a pool is reconciled,
     SIGTERM ends it cleanly; a bad setting exits 2 with one line."""
+    pytest.importorskip("kopf", reason="the operator needs the extra: pip install -e '.[operator]'")
     import signal
     import socket
     import subprocess

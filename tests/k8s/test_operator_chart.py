@@ -72,6 +72,7 @@ def _token_kubeconfig(k8s, kube: Kube, ns: str, sa: str, path: Path) -> Path:
 
 
 def test_helm_install_operator_rbac_upgrade_uninstall(k8s, helm_ok, tmp_path):
+    pytest.importorskip("kopf", reason="the operator needs the extra: pip install -e '.[operator]'")
     from kopf.testing import KopfRunner
 
     release, ns, work_ns = "phasewise", "phasewise-system", "phasewise-workload"

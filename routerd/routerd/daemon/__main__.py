@@ -1,22 +1,11 @@
 """``python -m routerd.daemon [flags]``: the same as ``phasewise serve [flags]``."""
 
-import argparse
-import sys
-
-from routerd.daemon import cli
-from routerd.errors import ConfigError
+from routerd.cli import run_data_plane_command
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m routerd.daemon")
-    sub = parser.add_subparsers(dest="command")
-    cli.add_parser(sub)
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return cli.run(args)
-    except ConfigError as e:
-        print(f"phasewise: error: {e}", file=sys.stderr)
-        return 2
+def main(argv: list[str] | None = None) -> int:
+    """Run ``phasewise serve`` with ``argv`` (default: the process arguments); returns the exit code."""
+    return run_data_plane_command("serve", argv)
 
 
 if __name__ == "__main__":

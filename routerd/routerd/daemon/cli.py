@@ -22,6 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", "-c", metavar="FILE", help="YAML config file")
     p.add_argument("--host", help="HTTP listen address (http.host)")
     p.add_argument("--port", type=int, help="HTTP listen port, 0 = any free port (http.port)")
+    p.add_argument("--grpc-host", help="gRPC listen address (grpc.host)")
     p.add_argument("--grpc-port", type=int, help="gRPC listen port, 0 = any free port (grpc.port)")
     p.add_argument("--no-grpc", action="store_true", help="do not serve the gRPC API (grpc.enabled=false)")
     p.add_argument("--endpoint", action="append", metavar="NAME=URL[,STATE_ADDR]",
@@ -63,6 +64,8 @@ def overrides_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[
         put(("http", "host"), args.host, "--host")
     if args.port is not None:
         put(("http", "port"), args.port, "--port")
+    if args.grpc_host is not None:
+        put(("grpc", "host"), args.grpc_host, "--grpc-host")
     if args.grpc_port is not None:
         put(("grpc", "port"), args.grpc_port, "--grpc-port")
     if args.no_grpc:

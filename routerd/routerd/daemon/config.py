@@ -176,7 +176,7 @@ class UpstreamConfig(_Model):
     """Time from sending the request to the response headers (s). A non-streaming vLLM
     response sends its headers only when the whole generation is done."""
     read_timeout_s: float = Field(default=600.0, gt=0)
-    """Longest gap between two reads of a response body (s)."""
+    """Longest gap between two reads from the instance, response headers included (s)."""
     max_retries: int = Field(default=2, ge=0)
     """Retries on other instances when one fails before sending its first byte."""
     connection_limit: int = Field(default=4096, ge=1)
@@ -345,7 +345,7 @@ def load_settings(
     """
     file_data = read_yaml(path) if path is not None else {}
     env_data = read_env(os.environ if environ is None else environ)
-    data = _deep_merge(_deep_merge(file_data, env_data), overrides or {})
+    data = _merge_layer(_merge_layer(file_data, env_data), overrides or {})
     try:
         return Settings.model_validate(data)
     except ValidationError as e:
@@ -360,6 +360,17 @@ def load_settings(
                 msg = msg[len("Value error, "):]
         raise ConfigError(f"{_source_of(loc, path, env_data, overrides, override_flags)}: "
                           f"{format_loc(loc)}: {msg}") from None
+
+
+def _merge_layer(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
+    """``layer`` deep-merged over ``base``, except that a layer naming another policy starts
+    that policy's parameters afresh: the file's ``late_binding`` parameters must not be
+    handed to a ``round_robin`` chosen by flag or environment."""
+    merged = _deep_merge(base, layer)
+    lp, bp = layer.get("policy"), base.get("policy")
+    if isinstance(lp, Mapping) and isinstance(bp, Mapping) and "name" in lp and lp["name"] != bp.get("name"):
+        merged["policy"] = dict(lp)
+    return merged
 
 
 def _source_of(loc: tuple, path, env_data, overrides, override_flags) -> str:

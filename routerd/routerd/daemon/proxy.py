@@ -251,7 +251,7 @@ class Proxy:
         """Pool limits and timeouts from the settings."""
         up = self.d.settings.upstream
         return {"limit": up.connection_limit, "connect_timeout_s": up.connect_timeout_s,
-                "read_timeout_s": up.read_timeout_s}
+                "read_timeout_s": up.read_timeout_s, "response_timeout_s": up.response_timeout_s}
 
     def reconfigure(self) -> None:
         """Apply new upstream settings to the pool (hot reload)."""
@@ -394,6 +394,8 @@ class Proxy:
             payload = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:  # '[[[[...' nested deeper than the parser's stack
+            raise BadRequest("request body is not valid JSON: nested too deeply", code="invalid_json") from None
         if not isinstance(payload, dict):
             raise BadRequest("request body must be a JSON object", code="invalid_json")
         model = payload.get("model")
@@ -496,8 +498,13 @@ class Proxy:
         d = self.d
         try:
             data = await ex.read()
+        except UpstreamTimeout as e:
+            ep.m.err_timeout.inc()
+            d.metrics.count_response(504)
+            return error_response(504, f"instance {ep.name} stalled in its answer: {e}", "upstream_error",
+                                  code="upstream_timeout")
         except UpstreamError as e:
-            (ep.m.err_timeout if isinstance(e, UpstreamTimeout) else ep.m.err_stream).inc()
+            ep.m.err_stream.inc()
             d.metrics.count_response(502)
             return error_response(502, f"instance {ep.name} broke off its answer: {e}", "upstream_error",
                                   code="upstream_error")

@@ -23,6 +23,7 @@ first response byte may not.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import ssl as _ssl
 from collections import deque
@@ -30,8 +31,14 @@ from typing import Callable
 
 __all__ = ["ConnectError", "Exchange", "UpstreamBroken", "UpstreamError", "UpstreamPool", "UpstreamTimeout"]
 
-#: Most bytes a response head may have before it is refused (bytes).
+#: Most bytes a response head may have before it is refused (bytes); also the trailers' limit.
 MAX_HEAD_BYTES = 64 * 1024
+
+#: A header field name (RFC 9110 token) and a control character no header may hold (HTAB aside).
+#: Like aiohttp's client, a response with either is malformed: relaying it would make
+#: routerd's own server refuse the response (header injection) or break the client's parser.
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class UpstreamError(Exception):
@@ -101,7 +108,8 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.pool._forget(self)
-        if self.state == _UNTIL_CLOSE:
+        if self.state == _UNTIL_CLOSE and exc is None:
+            # A read-until-close body ends with the connection; a reset (exc) cuts it short.
             self.keep_alive = False
             self._finish()
             return
@@ -145,6 +153,8 @@ class _Conn(asyncio.Protocol):
             if h is not None and not h.done():
                 h.set_result(None)
             if self.state == _DONE:
+                if data:  # bytes after a bodiless response: do not trust the connection
+                    self.keep_alive = False
                 self._finish()
                 return
         if data:
@@ -155,7 +165,8 @@ class _Conn(asyncio.Protocol):
         lines = head.split(b"\r\n")
         status_line = lines[0]
         parts = status_line.split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        if (len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or len(parts[1]) != 3 or not parts[1].isdigit()
+                or parts[1][0] == 48 or _CTL.search(status_line)):
             self._fail(UpstreamBroken(f"malformed status line {status_line[:80]!r}", before_first_byte=False))
             return False  # state is _DONE now
         status = int(parts[1])
@@ -165,20 +176,28 @@ class _Conn(asyncio.Protocol):
         self.status = status
         headers = self.headers = []
         length = None
+        lengths = set()
         chunked = False
         keep_alive = parts[0] == b"HTTP/1.1"
         for line in lines[1:]:
             k, sep, v = line.partition(b":")
             if not sep:
                 continue
-            name = k.strip().decode("latin-1")
-            value = v.strip().decode("latin-1")
+            if not _TOKEN.fullmatch(k) or _CTL.search(v):
+                self._fail(UpstreamBroken(f"malformed header line {line[:80]!r}", before_first_byte=False))
+                return False
+            name = k.decode("ascii")
+            # UTF-8 when it is (relayed as sent); other obs-text bytes become U+FFFD.
+            value = v.strip(b" \t").decode("utf-8", "replace")
             headers.append((name, value))
             low = name.lower()
             if low == "content-length":
                 try:
                     length = int(value)
                 except ValueError:
+                    length = -1
+                lengths.add(length)
+                if length < 0 or len(lengths) > 1:
                     self._fail(UpstreamBroken(f"bad Content-Length {value!r}", before_first_byte=False))
                     return False
             elif low == "transfer-encoding":
@@ -190,13 +209,16 @@ class _Conn(asyncio.Protocol):
                 elif "keep-alive" in v_low:
                     keep_alive = True
         self.keep_alive = keep_alive
-        if chunked:
+        if status in (204, 304):
+            # Never a body, whatever the framing headers say (RFC 9112 section 6.3).
+            self.state = _DONE
+        elif chunked:
             self.state = _CHUNK_SIZE
+            if length is not None:
+                self.keep_alive = False  # both framings: a smuggling smell; use the connection once
         elif length is not None:
             self.remaining = length
             self.state = _LENGTH if length > 0 else _DONE
-        elif status in (204, 304):
-            self.state = _DONE
         else:
             self.state = _UNTIL_CLOSE
             self.keep_alive = False
@@ -265,7 +287,7 @@ class _Conn(asyncio.Protocol):
                     except ValueError:
                         break
                     stop = i + 2 + size
-                    if size == 0 or stop + 2 > end or data[stop] != 13 or data[stop + 1] != 10:
+                    if size <= 0 or stop + 2 > end or data[stop] != 13 or data[stop + 1] != 10:
                         break
                     out.append(data[i + 2:stop])
                     pos = stop + 2
@@ -282,11 +304,14 @@ class _Conn(asyncio.Protocol):
                 try:
                     size = int(line, 16)
                 except ValueError:
+                    size = -1
+                if size < 0:
                     self._fail(UpstreamBroken(f"malformed chunk size {line[:20]!r}", before_first_byte=False))
                     return
                 pos = i + 2
                 if size == 0:
                     self.state = _TRAILER
+                    self.remaining = 0  # trailer bytes read so far
                 else:
                     self.remaining = size
                     self.state = _CHUNK_DATA
@@ -304,6 +329,9 @@ class _Conn(asyncio.Protocol):
                 return
             elif st == _TRAILER:
                 i = data.find(b"\r\n", pos)
+                if self.remaining + (end - pos if i < 0 else i - pos) > MAX_HEAD_BYTES:
+                    self._fail(UpstreamBroken("response trailers too large", before_first_byte=False))
+                    return
                 if i < 0:
                     self.buf = data[pos:]
                     return
@@ -312,6 +340,7 @@ class _Conn(asyncio.Protocol):
                     if i + 2 < end:
                         self.keep_alive = False
                     return
+                self.remaining += i + 2 - pos
                 pos = i + 2
             elif st == _UNTIL_CLOSE:
                 out.append(data[pos:] if pos else data)
@@ -345,22 +374,31 @@ class _Conn(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
-    def arm_timeout(self, timeout_s: float) -> None:
-        """Fail the exchange when no byte arrives for ``timeout_s`` (one timer, re-armed lazily)."""
+    def arm_timeout(self, timeout_s: float, head_timeout_s: float | None = None) -> None:
+        """Fail the exchange when no byte arrives for ``timeout_s``, or (``head_timeout_s``) when
+        the response head is not complete that long after now (one timer, re-armed lazily)."""
         loop = self.pool.loop
-        self.last_rx = loop.time()
+        start = self.last_rx = loop.time()
+        head_s = timeout_s if head_timeout_s is None else head_timeout_s
 
         def check() -> None:
-            idle = loop.time() - self.last_rx
+            now = loop.time()
+            idle = now - self.last_rx
+            wait = timeout_s - idle
+            if self.state == _HEAD:
+                wait = min(wait, head_s - (now - start))
             if self.state == _DONE:
                 self._timer = None
-            elif idle >= timeout_s:
+            elif wait <= 0:
                 self._timer = None
-                self._fail(UpstreamTimeout(f"no response byte for {timeout_s:g} s"))
+                if idle >= timeout_s:
+                    self._fail(UpstreamTimeout(f"no response byte for {timeout_s:g} s"))
+                else:
+                    self._fail(UpstreamTimeout(f"no response head within {head_s:g} s"))
             else:
-                self._timer = loop.call_later(timeout_s - idle, check)
+                self._timer = loop.call_later(wait, check)
 
-        self._timer = loop.call_later(timeout_s, check)
+        self._timer = loop.call_later(min(timeout_s, head_s), check)
 
 
 class Exchange:
@@ -465,12 +503,16 @@ class UpstreamPool:
         limit: most open connections over all hosts.
         connect_timeout_s: TCP (+TLS) connect timeout (s).
         read_timeout_s: longest wait for any response byte, headers included (s).
+        response_timeout_s: longest time from sending a request to its complete response
+            head (s); None = ``read_timeout_s`` alone bounds it.
     """
 
-    def __init__(self, *, limit: int = 4096, connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0) -> None:
+    def __init__(self, *, limit: int = 4096, connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0,
+                 response_timeout_s: float | None = None) -> None:
         self.limit = limit
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.response_timeout_s = response_timeout_s
         self.loop = asyncio.get_running_loop()
         self._idle: dict[tuple, list[_Conn]] = {}
         self._open: set[_Conn] = set()
@@ -484,12 +526,15 @@ class UpstreamPool:
 
         ``target`` is (scheme, host, port, path prefix), see ``routerd.daemon.state.url_target``.
 
-        ``headers`` must not contain Host, Content-Length or Connection (set here).
+        ``headers`` must not contain Host, Content-Length or Connection (set here). Header
+        values go out as UTF-8 with ``surrogateescape``, so values aiohttp's server decoded
+        that way (any bytes a client sent) are forwarded byte for byte.
 
         Raises:
             ConnectError: could not connect.
             UpstreamBroken: the connection failed (``before_first_byte`` says when).
-            UpstreamTimeout: no response head within ``read_timeout_s``.
+            UpstreamTimeout: no response byte for ``read_timeout_s`` or no complete head
+                within ``response_timeout_s``.
         """
         scheme, host, port, prefix = target
         key = (scheme, host, port)
@@ -500,7 +545,7 @@ class UpstreamPool:
         for k, v in headers:
             lines.append(f"{k}: {v}\r\n")
         lines.append("\r\n")
-        head = "".join(lines).encode("latin-1")
+        head = "".join(lines).encode("utf-8", "surrogateescape")
         # A pooled connection the server closed while idle fails before the first byte:
         # that is not the instance's fault, so try once more on a fresh connection.
         for attempt in (0, 1):
@@ -513,7 +558,7 @@ class UpstreamPool:
             loop = self.loop
             conn.head = loop.create_future()
             conn.done = loop.create_future()
-            conn.arm_timeout(self.read_timeout_s)
+            conn.arm_timeout(self.read_timeout_s, self.response_timeout_s)
             assert conn.tr is not None
             if len(body) < 16384:
                 conn.tr.write(head + body)
@@ -554,6 +599,8 @@ class UpstreamPool:
                         self._waiters.remove(fut)
                     except ValueError:
                         pass
+                    if fut.done() and not fut.cancelled():
+                        self._wake()  # woken, then cancelled: pass the free slot on
                     raise
         scheme, host, port = key
         ssl_ctx = None

@@ -160,6 +160,8 @@ class OpenAIHandlers:
         except json.JSONDecodeError as e:
             raise ApiError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") \
                 from None
+        except (ValueError, RecursionError) as e:  # an integer over 4300 digits; nesting too deep
+            raise ApiError(400, f"request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body

@@ -115,7 +115,7 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
     """Parse a vLLM Prometheus ``/metrics`` page (text exposition format 0.0.4).
 
     Raises :class:`MetricsParseError` when a line read here is malformed (the message gives
-    its line number), when a value read is not finite, or when the page lacks
+    its line number), when a value read is not finite or is negative, or when the page lacks
     ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` or a KV cache usage gauge
     (then it is not a vLLM page, and reporting zeros would make the instance look idle).
     """
@@ -134,6 +134,8 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
             value = sample.value
             if not math.isfinite(value):
                 raise MetricsParseError(f"{sample.name}{_labels(sample.labels)}: value {value} is not finite")
+            if value < 0:  # counts, totals, usage and latency sums are never negative
+                raise MetricsParseError(f"{sample.name}{_labels(sample.labels)}: value {value} is negative")
             sums[sample.name] = sums.get(sample.name, 0.0) + value
             counts[sample.name] = counts.get(sample.name, 0) + 1
             model = sample.labels.get("model_name")

@@ -22,6 +22,11 @@ __all__ = ["Scraper", "DEFAULT_INTERVAL_S", "DEFAULT_TIMEOUT_S"]
 # sequence is not newer than the last one it saw keeps accepting them.
 _SEQUENCE = itertools.count(time.time_ns() // 1000 + 1)
 
+#: Largest ``/metrics`` page read (bytes). A vLLM page is tens of KB (a few hundred KB with
+#: many models or LoRA adapters); anything far bigger is not one, and reading it whole
+#: would cost the sidecar hundreds of MB and seconds of CPU on every scrape.
+MAX_PAGE_BYTES = 16 * 1024 * 1024
+
 #: Called after a scrape whose health (healthy flag) differs from the previous one's,
 #: and after the first scrape.
 HealthCallback = Callable[[InstanceState], Awaitable[None]]
@@ -32,7 +37,8 @@ class Scraper:
 
     Each scrape posts a new snapshot with a new ``sequence`` and ``scraped_at_unix_s``
     (wall clock, s). A failed scrape (connection refused, timeout after ``timeout_s``
-    seconds, an HTTP status other than 200, a body that is not a vLLM metrics page) posts
+    seconds, an HTTP status other than 200, a body over :data:`MAX_PAGE_BYTES` or that is not
+    a vLLM metrics page) posts
     ``healthy=False`` with ``error`` saying why, and the gauges of the last good scrape.
     Scrapes never overlap: after one that ran longer than ``interval_s`` the next starts
     at once.
@@ -131,7 +137,16 @@ class Scraper:
                 async with session.get(self.metrics_url) as resp:
                     if resp.status != 200:
                         raise _HttpStatus(f"{resp.status} {resp.reason or ''}".strip())
-                    body = await resp.read()
+                    if (resp.content_length or 0) > MAX_PAGE_BYTES:
+                        raise MetricsParseError(f"the page is {resp.content_length} bytes, over {MAX_PAGE_BYTES}")
+                    parts: list[bytes] = []
+                    size = 0
+                    async for piece in resp.content.iter_any():
+                        size += len(piece)
+                        if size > MAX_PAGE_BYTES:
+                            raise MetricsParseError(f"the page is over {MAX_PAGE_BYTES} bytes")
+                        parts.append(piece)
+                    body = b"".join(parts)
                 return body.decode("utf-8")
             except aiohttp.ServerDisconnectedError:
                 # The server closed the pooled keep-alive connection (e.g. it restarted):

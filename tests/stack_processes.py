@@ -1,0 +1,294 @@
+"""Real ``phasewise`` processes on loopback for end-to-end tests: emulators, sidecars, routerd.
+
+:class:`Stack` starts N emulators (``python -m routerd emulate``), one sidecar beside each
+(``python -m routerd sidecar``) and routerd (``python -m routerd serve``), all started at
+once: the emulators' and sidecars' ports are picked beforehand, routerd's (port 0) are
+read back from its log. Each process
+carries the environment variable ``PHASEWISE_E2E_STACK=<id>`` so that
+:func:`marked_processes` finds every process the stack started (and any child they
+started) after teardown: a leak check that needs no process tree.
+
+Also: :func:`scrape` (Prometheus text read with ``prometheus_client.parser``),
+:func:`metric_sum` and :func:`wait_until` (poll a condition instead of sleeping).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[1]
+MARKER = "PHASEWISE_E2E_STACK"
+
+_EMULATOR_LINE = re.compile(r"serving '[^']*' on (http://[\d.]+:\d+) \(")
+_SIDECAR_LINE = re.compile(r"on port (\d+), scraping")
+_ROUTERD_LINE = re.compile(r"routerd listening on http://([\d.]+):(\d+), gRPC ([\d.]+):(\d+)")
+
+
+class StackError(RuntimeError):
+    """A process exited or stayed silent before it was ready; the message holds its log."""
+
+
+def _base_env(stack_id: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHASEWISE_")}
+    src = str(REPO / "routerd")
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env[MARKER] = stack_id
+    return env
+
+
+class StackProcess:
+    """One ``python -m routerd ARGS`` child, stdout and stderr into ``logdir/NAME.log``."""
+
+    def __init__(self, name: str, args: list[str], logdir: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.args = args
+        self.log_path = logdir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "routerd", *args], stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_for(self, pattern: re.Pattern[str], timeout_s: float) -> re.Match[str]:
+        """The first match of ``pattern`` in the log, polling until ``timeout_s``.
+
+        Raises:
+            StackError: the process exited first, or the time ran out.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = pattern.search(self.log_text())
+            if m is not None:
+                return m
+            if not self.alive():
+                raise StackError(f"{self.name} exited with {self.proc.returncode} before it was ready:\n"
+                                 f"{self.log_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise StackError(f"{self.name} not ready within {timeout_s} s:\n{self.log_text()[-4000:]}")
+            time.sleep(0.05)
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait for the exit; SIGKILL after ``timeout_s``. Returns the exit code."""
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+        return self.proc.returncode
+
+
+class Stack:
+    """``n`` emulators + their sidecars + routerd, all on 127.0.0.1.
+
+    Attributes (after :meth:`start`): ``emulators``, ``emulator_urls``, ``sidecars``,
+    ``sidecar_addresses``, ``routerd``, ``url`` (routerd's base URL), ``grpc_address``.
+    """
+
+    def __init__(self, logdir: Path, *, n: int = 3, emulator_flags: tuple[str, ...] = (),
+                 routerd_flags: tuple[str, ...] = (), routerd_env: dict[str, str] | None = None,
+                 startup_timeout_s: float = 90.0) -> None:
+        self.logdir = logdir
+        self.n = n
+        self.emulator_flags = list(emulator_flags)
+        self.routerd_flags = list(routerd_flags)
+        self.routerd_env = dict(routerd_env or {})
+        self.startup_timeout_s = startup_timeout_s
+        self.id = uuid.uuid4().hex
+        self.env = _base_env(self.id)
+        self.names = [f"emu{i}" for i in range(n)]
+        self.emulators: list[StackProcess] = []
+        self.emulator_urls: list[str] = []
+        self.sidecars: list[StackProcess] = []
+        self.sidecar_addresses: list[str] = []
+        self.routerd: StackProcess | None = None
+        self.url = ""
+        self.grpc_address = ""
+
+    def all_processes(self) -> list[StackProcess]:
+        return [*([self.routerd] if self.routerd else []), *self.sidecars, *self.emulators]
+
+    def start(self, attempts: int = 3) -> "Stack":
+        """Start all processes at once and wait until each listens.
+
+        The emulators' and sidecars' ports are picked here (so that nothing waits for
+        another tier to print its port); in the rare case another program takes one of
+        them first, the stack is stopped and started again on new ports.
+        """
+        for attempt in range(attempts):
+            try:
+                return self._start_once()
+            except StackError as e:
+                if attempt == attempts - 1 or not ("cannot listen" in str(e) or "cannot bind" in str(e)):
+                    raise
+                self.close()
+                self.emulators, self.sidecars, self.routerd = [], [], None
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "Stack":
+        t = self.startup_timeout_s
+        ports = free_ports(2 * self.n)
+        self.emulator_urls = [f"http://127.0.0.1:{p}" for p in ports[:self.n]]
+        self.sidecar_addresses = [f"127.0.0.1:{p}" for p in ports[self.n:]]
+        for i, (name, url) in enumerate(zip(self.names, self.emulator_urls)):
+            self.emulators.append(StackProcess(name, [
+                "emulate", "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--seed", str(i),
+                *self.emulator_flags], self.logdir, self.env))
+        for name, url, addr in zip(self.names, self.emulator_urls, self.sidecar_addresses):
+            self.sidecars.append(StackProcess(f"sidecar-{name}", [
+                "sidecar", "--metrics-url", url + "/metrics", "--listen", addr, "--instance", name,
+                "--endpoint", url, "--log-level", "info"], self.logdir, self.env))
+        flags = ["serve", "--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--log-level", "info"]
+        for name, url, addr in zip(self.names, self.emulator_urls, self.sidecar_addresses):
+            flags += ["--endpoint", f"{name}={url},{addr}"]
+        env = dict(self.env)
+        env["PHASEWISE_GRPC__HOST"] = "127.0.0.1"
+        env.update(self.routerd_env)
+        self.routerd = StackProcess("routerd", flags + self.routerd_flags, self.logdir, env)
+        for p, url in zip(self.emulators, self.emulator_urls):
+            got = p.wait_for(_EMULATOR_LINE, t).group(1)
+            if got != url:
+                raise StackError(f"{p.name} serves on {got}, not {url}")
+        for p, addr in zip(self.sidecars, self.sidecar_addresses):
+            if f"127.0.0.1:{p.wait_for(_SIDECAR_LINE, t).group(1)}" != addr:
+                raise StackError(f"{p.name} did not bind {addr}:\n{p.log_text()}")
+        m = self.routerd.wait_for(_ROUTERD_LINE, t)
+        self.url = f"http://{m.group(1)}:{m.group(2)}"
+        self.grpc_address = f"{m.group(3)}:{m.group(4)}"
+        return self
+
+    def close(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM every process at once (routerd drains what is left); SIGKILL stragglers after ``timeout_s``."""
+        procs = self.all_processes()
+        for p in procs:
+            p.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.wait(max(0.1, deadline - time.monotonic()))
+
+    def logs(self, tail: int = 3000) -> str:
+        """The end of every process's log, for failure messages."""
+        return "\n".join(f"--- {p.name} (pid {p.pid}, rc {p.proc.returncode}) ---\n{p.log_text()[-tail:]}"
+                         for p in self.all_processes())
+
+
+def free_ports(k: int) -> list[int]:
+    """``k`` distinct TCP ports free on 127.0.0.1 now (bound together, then released)."""
+    socks = [socket.socket() for _ in range(k)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def marked_processes(stack_id: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose environment carries the stack's marker."""
+    needle = f"{MARKER}={stack_id}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                environ = f.read()
+            if needle not in environ.split(b"\0"):
+                continue
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue  # a zombie: exited, only not reaped (not our child, else wait() reaped it)
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        found.append((int(entry.name), cmd))
+    return found
+
+
+def http_get(url: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
+    """(status, body) of a GET; 0 when the connection failed."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read()
+    except OSError:
+        return 0, b""
+
+
+def http_post(url: str, body: bytes, headers: dict[str, str] | None = None,
+              timeout_s: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of a POST with ``body`` as is."""
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, dict(e.headers), e.read()
+
+
+def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of the Prometheus page at ``url``: (sample name, labels, value)."""
+    status, body = http_get(url)
+    if status != 200:
+        raise AssertionError(f"GET {url} answered {status}")
+    return [(s.name, dict(s.labels), s.value)
+            for fam in text_string_to_metric_families(body.decode()) for s in fam.samples]
+
+
+def metric_sum(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+
+def metric_by(samples: list[tuple[str, dict[str, str], float]], name: str, label: str) -> dict[str, float]:
+    """``{label value: value}`` of the samples called ``name``."""
+    return {lab.get(label, ""): v for n, lab, v in samples if n == name}
+
+
+def wait_until(probe: Callable[[], Any], ok: Callable[[Any], bool], timeout_s: float, what: str,
+               interval_s: float = 0.05) -> Any:
+    """Call ``probe()`` until ``ok(value)``; returns that value. Raises AssertionError with the last one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout_s} s; last value: {value!r}")
+        time.sleep(interval_s)
