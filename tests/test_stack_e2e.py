@@ -12,9 +12,9 @@ tests sent through it. Every wait polls a condition with a generous deadline (a 
 2-core machine) instead of sleeping. A finalizer stops the stack and checks that no
 process it started (found by an environment marker) is left.
 
-Two strict xfails pin product bugs found here: the token count of chat streams without
-a usage event, and a fully read stream counted as a client disconnect (a race in the
-stack; pinned deterministically by the last test, with an in-process routerd).
+Two tests pin bugs found here and fixed: the token count of chat streams without a usage
+event, and a fully read stream counted as a client disconnect (a race in the stack;
+pinned deterministically by the last test, with an in-process routerd).
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ def stack(tmp_path_factory, request):
     s = Stack(tmp_path_factory.mktemp("stack"), n=3, emulator_flags=("--profile", PROFILE))
     s.expected = Counter()  # HTTP status -> inference requests the tests sent through routerd
     s.rejected = Counter()  # reason -> requests among them that routerd refuses itself
-    s.full_streams = 0  # streams among them that the client read to their end
 
     def finalize() -> None:
         s.close()
@@ -218,7 +217,6 @@ def _stream_once(s: Stack, c: openai.OpenAI, n: int, chat: bool, usage: bool) ->
             if ch.usage is not None:
                 usages.append(ch.usage.completion_tokens)
     assert (tokens, finish, usages) == (n, ["length"], [n] if usage else []), (chat, usage)
-    s.full_streams += 1
 
 
 def _counters(s: Stack) -> tuple[float, float]:
@@ -226,14 +224,14 @@ def _counters(s: Stack) -> tuple[float, float]:
     return metric_sum(m, "phasewise_generation_tokens_total"), metric_sum(m, "phasewise_client_disconnects_total")
 
 
-def _routerd_count(s: Stack, send: Callable[[], None]) -> float | None:
+def _routerd_count(s: Stack, send: Callable[[], None]) -> float:
     """Generated tokens routerd counted for the one stream ``send()`` reads to its end (routerd adds
-    them as the stream ends), or None when routerd took the client's close right after
-    ``[DONE]`` for a disconnect (the race pinned by the last test of the module)."""
+    them as the stream ends); the stream must not count as a client disconnect."""
     before = _counters(s)
     send()
-    after = wait_until(lambda: _counters(s), lambda v: v != before, 10, "routerd counting the stream")
-    return None if after[1] != before[1] else after[0] - before[0]
+    after = wait_until(lambda: _counters(s), lambda v: v[0] != before[0], 10, "routerd counting the stream")
+    assert after[1] == before[1], "a stream read to its end counted as a client disconnect"
+    return after[0] - before[0]
 
 
 def test_streaming_completion_and_chat(stack):
@@ -244,16 +242,10 @@ def test_streaming_completion_and_chat(stack):
                 for chat in (False, True):
                     stack.expected[200] += 1
                     counted[n, chat, usage] = _routerd_count(stack, lambda: _stream_once(stack, c, n, chat, usage))
-    # routerd counts the generated tokens of a stream from its usage event, else by its events
-    # (chat streams without usage: see the xfail test below).
-    checked = {k: v for k, v in counted.items() if v is not None and (k[2] or not k[1])}
-    assert checked == {k: k[0] for k in checked}
-    assert len(checked) >= 6, counted
+    # routerd counts the generated tokens of a stream from its usage event, else by its events.
+    assert counted == {k: k[0] for k in counted}
 
 
-@pytest.mark.xfail(strict=True, reason="routerd counts vLLM's role-only first chunk of a chat stream as a generated "
-                   "token when the stream has no usage event (routerd/routerd/daemon/proxy.py, _relay_stream: "
-                   "tokens = relay.events - 1): one token too many per such stream")
 def test_routerd_counts_the_tokens_of_chat_streams_without_usage(stack):
     with client(stack) as c:
         counted = []
@@ -293,7 +285,6 @@ def test_200_concurrent_requests_all_answered(stack):
                 if ch.usage is not None:
                     usages.append(ch.usage.completion_tokens)
         assert (tokens, usages) == (n, [n] if usage else [])
-        stack.full_streams += 1
         return n
 
     async def main() -> list:
@@ -514,7 +505,6 @@ def test_emulator_killed_mid_stream(stack):
     assert not hung, f"streams that hung or failed outside the API: {[repr(results[i]) for i in hung]}"
     outcomes = Counter(r[0] for r in results)
     stack.expected[200] += outcomes["full"]
-    stack.full_streams += outcomes["full"]
     stack.expected[502] += outcomes["error"]
     assert outcomes["truncated"] == 0, [r for r in results if r[0] == "truncated"]
     assert on_victim >= 1 and outcomes["error"] == on_victim, (outcomes, on_victim)
@@ -532,7 +522,6 @@ def test_emulator_killed_mid_stream(stack):
             if i % 3 == 2:
                 with c.completions.create(prompt="after", **_stream_kwargs(4, True)) as stream:
                     assert [ch.usage.completion_tokens for ch in stream if ch.usage is not None] == [4]
-                stack.full_streams += 1
             elif i % 3 == 1:
                 _check_completion(c.chat.completions.create(
                     model=MODEL, messages=[{"role": "user", "content": "after"}], max_tokens=4), 4, chat=True)
@@ -579,14 +568,7 @@ def test_afterwards_gauges_are_zero_and_every_request_is_counted(stack):
                    and sum(b["requests"].values()) == sent, TIMEOUT_S,
                    f"routerd idle with {sent} requests counted")
     assert sorted(b["in_flight"]) == stack.names
-    # Every request answered, with the status the test saw; never a 500. Except for a known race:
-    # a stream the openai client read to its end counts as 499 when the client's close after
-    # [DONE] reaches routerd before the instance's end of body (see the xfail test at the end).
-    raced = b["requests"].get("499", 0) - expected.get("499", 0)
-    assert 0 <= raced <= stack.full_streams, b["requests"]
-    if raced:
-        expected["200"] -= raced
-        expected["499"] = expected.get("499", 0) + raced
+    # Every request answered, with the status the test saw; never a 500.
     assert b["requests"] == expected
     assert metric_sum(routerd_metrics(stack), "phasewise_client_disconnects_total") == expected.get("499", 0)
     # Refused by routerd itself: the malformed bodies, the unknown models, the oversized bodies.
@@ -600,11 +582,6 @@ def test_afterwards_gauges_are_zero_and_every_request_is_counted(stack):
         assert "Traceback" not in p.log_text(), f"{p.name} logged an exception:\n{p.log_text()[-4000:]}"
 
 
-@pytest.mark.xfail(strict=True, reason="routerd takes a client that closes right after `data: [DONE]` (as the official "
-                   "openai client does) for a disconnect when the instance has not ended its HTTP body yet: 499, "
-                   "phasewise_client_disconnects_total + 1, and no E2E/TTFT/TPOT/generation-token observation for a "
-                   "fully answered request (routerd/routerd/daemon/proxy.py, _relay_stream/_forward). Happens now "
-                   "and then in the stack above; deterministic here with a 0.5 s gap")
 def test_a_client_closing_right_after_done_is_not_a_disconnect():
     """In-process routerd (no stack needed) in front of an instance that ends its body 0.5 s after
     ``[DONE]``; the official client reads the stream and closes at ``[DONE]``."""

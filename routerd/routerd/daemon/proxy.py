@@ -132,6 +132,10 @@ def final_usage_tokens(tail: bytes) -> int | None:
     return None
 
 
+class _DeliveredThenClosed(asyncio.CancelledError):
+    """The handler was cancelled after the whole stream reached the client (already counted)."""
+
+
 class _StreamRelay:
     """The per-chunk path of a streamed answer: count SSE events, write to the client, flow control.
 
@@ -478,6 +482,8 @@ class Proxy:
             if stream and status == 200 and ex.content_type == "text/event-stream":
                 return await self._relay_stream(request, ex, r, ep, t0)
             return await self._relay_body(ex, r, ep, t0)
+        except _DeliveredThenClosed:
+            raise
         except asyncio.CancelledError:
             metrics.client_disconnects.inc()
             metrics.count_response(499)
@@ -535,6 +541,13 @@ class Proxy:
         relay = _StreamRelay(ctr, resp.chunked, ex, ep, r)
         try:
             await ex.relay(relay.sink)
+        except asyncio.CancelledError:
+            if relay.client_gone or _DONE not in relay.tail():
+                raise
+            # The client read ``[DONE]`` and closed before the instance ended its body (the
+            # openai client does): the answer was delivered in full, so it is a completion.
+            self._finish_stream(request, r, t0, relay)
+            raise _DeliveredThenClosed from None
         except UpstreamError as e:
             if relay.client_gone:
                 d.metrics.client_disconnects.inc()
@@ -552,19 +565,24 @@ class Proxy:
             d.metrics.client_disconnects.inc()
             d.metrics.count_response(499)
             return resp
-        tail = relay.tail()
-        tokens = final_usage_tokens(tail)
-        if tokens is None:
-            tokens = relay.events - (1 if _DONE in tail else 0)
-            if tokens < 0:
-                tokens = 0
-        d.observe_finished(r, t0, relay.t_first, tokens)
-        d.metrics.count_response(200)
+        self._finish_stream(request, r, t0, relay)
         try:
             await resp.write_eof()
         except (ConnectionError, aiohttp.ClientConnectionResetError):
             pass
         return resp
+
+    def _finish_stream(self, request: web.Request, r, t0: float, relay: "_StreamRelay") -> None:
+        """Record a stream relayed to its ``[DONE]``: tokens from the final usage event, else
+        the SSE events less ``[DONE]`` and, for chat, the role-only first chunk vLLM sends."""
+        tail = relay.tail()
+        tokens = final_usage_tokens(tail)
+        if tokens is None:
+            tokens = relay.events - (1 if _DONE in tail else 0) - (1 if request.path.endswith("/chat/completions") else 0)
+            if tokens < 0:
+                tokens = 0
+        self.d.observe_finished(r, t0, relay.t_first, tokens)
+        self.d.metrics.count_response(200)
 
     async def _end_broken_stream(self, request: web.Request, resp: web.StreamResponse, at_boundary: bool,
                                  name: str) -> None:
