@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import time
 
 import pytest
@@ -18,36 +17,21 @@ import yaml
 
 from k8s.test_operator_api import (  # noqa: F401 - fixtures
     G,
-    OPERATOR_ENV,
-    Operator,
     apply,
     condition,
     crds,
     kube,
     pool,
     pool_yaml,
+    running_operator,
     wait_for,
 )
 
 
 @pytest.fixture(scope="module")
 def operator(k8s, crds):  # noqa: F811
-    saved = {k: os.environ.get(k) for k in [*OPERATOR_ENV, "KUBECONFIG"]}
-    os.environ.update(OPERATOR_ENV, KUBECONFIG=str(k8s.kubeconfig))
-    op = Operator(k8s)
-    op.start()
-    try:
+    with running_operator(k8s, forbidden=("Traceback", "Throttling for")) as op:
         yield op
-    finally:
-        op.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        out = "\n".join(op.outputs)
-        assert "Traceback" not in out, out[-6000:]
-        assert "Throttling for" not in out, out[-6000:]
 
 
 def _where(kube, ns, name, pred, what, timeout=20.0):

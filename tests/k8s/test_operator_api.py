@@ -9,6 +9,7 @@ controller manager do the rest.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import sys
@@ -86,8 +87,9 @@ class Operator:
             self.runner = None
 
 
-@pytest.fixture(scope="module")
-def operator(k8s, crds):
+@contextlib.contextmanager
+def running_operator(k8s, forbidden=("Traceback",)):
+    """The operator running with the test settings; afterwards its output must hold none of ``forbidden``."""
     saved = {k: os.environ.get(k) for k in [*OPERATOR_ENV, "KUBECONFIG"]}
     os.environ.update(OPERATOR_ENV, KUBECONFIG=str(k8s.kubeconfig))
     op = Operator(k8s)
@@ -102,7 +104,14 @@ def operator(k8s, crds):
             else:
                 os.environ[k] = v
         out = "\n".join(op.outputs)
-        assert "Traceback" not in out, out[-5000:]
+        for needle in forbidden:
+            assert needle not in out, out[-6000:]
+
+
+@pytest.fixture(scope="module")
+def operator(k8s, crds):
+    with running_operator(k8s) as op:
+        yield op
 
 
 def pool_yaml(name: str, **spec) -> str:

@@ -11,7 +11,6 @@ import base64
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,20 +20,10 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "phasewise"
 sys.path.insert(0, str(REPO / "operator"))
 
+from k8s.test_operator_api import wait_for  # noqa: E402
 from phasewise_operator.kube import Kube  # noqa: E402
 
 G = "phasewise.io/v1alpha1"
-
-
-def wait_for(pred, timeout=20.0, interval=0.2, what="condition"):
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
 
 
 @pytest.fixture

@@ -241,8 +241,12 @@ class SimInstance:
         self.fT_static += r.generated * r.w
         if not self.busy:
             return  # the owner calls start() once its decision round at ``now`` is over
+        self._cut_segment(now)
+
+    def _cut_segment(self, now: float) -> None:
+        """End a long decode segment at the end of the iteration in flight at ``now`` (the batch
+        changes there: an arrival may be admitted, an aborted request leaves)."""
         if self.seg_K > 1:
-            # Cut a long decode segment at the end of the iteration in flight.
             j = self._iters_done(now) + 1
             if j < self.seg_K:
                 self.seg_K = j
@@ -500,13 +504,7 @@ class SimInstance:
             self.start(now)
             return
         self._aborting.append(r)
-        if self.seg_K > 1:
-            j = self._iters_done(now) + 1
-            if j < self.seg_K:
-                self.seg_K = j
-                self.seg_end = self.seg_t0 + self._elapsed(j)
-                self.version += 1
-                self._schedule_event(self.seg_end, self)
+        self._cut_segment(now)
 
     def _drop_aborted(self) -> None:
         """Remove the requests of :meth:`abort` at a step boundary (before scheduling)."""
