@@ -431,7 +431,9 @@ def test_profile_job_writes_the_fitted_profile_into_the_pool(k8s, kube, operator
     batch = wait_for(lambda: kube.get("batch/v1", "Job", namespace, "fit-1"), timeout=30, what="batch Job")
     work = batch["spec"]["template"]["spec"]["initContainers"][0]
     assert work["command"][:4] == ["phasewise", "profile", "--endpoint", "http://10.244.1.10:8000"]
-    assert _job_obj(kube, namespace, "fit-1")["status"]["phase"] == "Running"
+    # The operator creates the batch Job, then records the phase: poll, the two writes are apart.
+    wait_for(lambda: (_job_obj(kube, namespace, "fit-1").get("status") or {}).get("phase") == "Running",
+             what="phase Running")
     # the reporter, with its own ServiceAccount's token, writes what the profiler wrote
     (tmp_path / "profile.yaml").write_text("grad1: 3.1e-4\ngrad2: 3.2e-5\noverhead_s: 0.018\n")
     cm = report.result_configmap("profile", tmp_path, name="fit-1-result", namespace=namespace, owner_name="fit-1",
