@@ -367,50 +367,35 @@ def pool_status_schema() -> dict[str, Any]:
     })
 
 
-def pool_crd() -> dict[str, Any]:
-    """The ``llmrouterpools.phasewise.io`` CRD."""
+def _crd(kind: str, plural: str, short_names: list[str], subresources: dict[str, Any],
+         printer_columns: list[dict[str, Any]], description: str, metadata: dict[str, Any],
+         spec: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    """One namespaced CRD of the group, served and stored at :data:`VERSION`."""
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"llmrouterpools.{GROUP}",
+        "metadata": {"name": f"{plural}.{GROUP}",
                      "labels": {"app.kubernetes.io/name": "phasewise", "app.kubernetes.io/part-of": "phasewise"}},
         "spec": {
             "group": GROUP,
             "scope": "Namespaced",
-            "names": {"kind": "LLMRouterPool", "listKind": "LLMRouterPoolList", "plural": "llmrouterpools",
-                      "singular": "llmrouterpool", "shortNames": ["lrp", "llmpool"], "categories": ["phasewise"]},
+            "names": {"kind": kind, "listKind": f"{kind}List", "plural": plural,
+                      "singular": plural[:-1], "shortNames": short_names, "categories": ["phasewise"]},
             "versions": [{
                 "name": VERSION,
                 "served": True,
                 "storage": True,
-                "subresources": {
-                    "status": {},
-                    "scale": {"specReplicasPath": ".spec.engine.replicas",
-                              "statusReplicasPath": ".status.replicas",
-                              "labelSelectorPath": ".status.selector"},
-                },
-                "additionalPrinterColumns": [
-                    {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
-                    {"name": "Policy", "type": "string", "jsonPath": ".spec.routing.policy"},
-                    {"name": "Profile", "type": "string", "jsonPath": ".status.activeProfile"},
-                    {"name": "Replicas", "type": "integer", "jsonPath": ".spec.engine.replicas"},
-                    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyInstances"},
-                    {"name": "Status", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"},
-                    {"name": "Reason", "type": "string", "priority": 1,
-                     "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason"},
-                    {"name": "Emulated", "type": "boolean", "priority": 1, "jsonPath": ".spec.emulated"},
-                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                ],
+                "subresources": subresources,
+                "additionalPrinterColumns": printer_columns,
                 "schema": {"openAPIV3Schema": {
                     "type": "object",
-                    "description": "A pool of vLLM instances (or emulators) with routerd in front of them.",
+                    "description": description,
                     "properties": {
                         "apiVersion": {"type": "string"},
                         "kind": {"type": "string"},
-                        "metadata": _name_schema(POOL_NAME_MAX, "its Services are named <pool>-routerd and "
-                                                 "<pool>-engine"),
-                        "spec": pool_spec_schema(),
-                        "status": pool_status_schema(),
+                        "metadata": metadata,
+                        "spec": spec,
+                        "status": status,
                     },
                     "required": ["spec"],
                 }},
@@ -419,7 +404,29 @@ def pool_crd() -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------- LLMRouterJob
+def pool_crd() -> dict[str, Any]:
+    """The ``llmrouterpools.phasewise.io`` CRD."""
+    return _crd(
+        "LLMRouterPool", "llmrouterpools", ["lrp", "llmpool"],
+        {"status": {}, "scale": {"specReplicasPath": ".spec.engine.replicas",
+                                 "statusReplicasPath": ".status.replicas",
+                                 "labelSelectorPath": ".status.selector"}},
+        [
+            {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+            {"name": "Policy", "type": "string", "jsonPath": ".spec.routing.policy"},
+            {"name": "Profile", "type": "string", "jsonPath": ".status.activeProfile"},
+            {"name": "Replicas", "type": "integer", "jsonPath": ".spec.engine.replicas"},
+            {"name": "Ready", "type": "integer", "jsonPath": ".status.readyInstances"},
+            {"name": "Status", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"},
+            {"name": "Reason", "type": "string", "priority": 1,
+             "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason"},
+            {"name": "Emulated", "type": "boolean", "priority": 1, "jsonPath": ".spec.emulated"},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+        "A pool of vLLM instances (or emulators) with routerd in front of them.",
+        _name_schema(POOL_NAME_MAX, "its Services are named <pool>-routerd and <pool>-engine"),
+        pool_spec_schema(), pool_status_schema())
+
 
 def job_spec_schema() -> dict[str, Any]:
     """OpenAPI schema of ``LLMRouterJob.spec`` (immutable once created)."""
@@ -494,45 +501,20 @@ def job_status_schema() -> dict[str, Any]:
 
 def job_crd() -> dict[str, Any]:
     """The ``llmrouterjobs.phasewise.io`` CRD."""
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"llmrouterjobs.{GROUP}",
-                     "labels": {"app.kubernetes.io/name": "phasewise", "app.kubernetes.io/part-of": "phasewise"}},
-        "spec": {
-            "group": GROUP,
-            "scope": "Namespaced",
-            "names": {"kind": "LLMRouterJob", "listKind": "LLMRouterJobList", "plural": "llmrouterjobs",
-                      "singular": "llmrouterjob", "shortNames": ["lrj", "llmjob"], "categories": ["phasewise"]},
-            "versions": [{
-                "name": VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": [
-                    {"name": "Pool", "type": "string", "jsonPath": ".spec.poolRef.name"},
-                    {"name": "Task", "type": "string", "jsonPath": ".spec.task"},
-                    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-                    {"name": "Applied", "type": "boolean", "jsonPath": ".status.results.appliedToPool"},
-                    {"name": "Message", "type": "string", "priority": 1, "jsonPath": ".status.message"},
-                    {"name": "Completed", "type": "date", "jsonPath": ".status.completionTime"},
-                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                ],
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "description": "A one-off task for a pool: fit its hardware profile, or train its DQN router.",
-                    "properties": {
-                        "apiVersion": {"type": "string"},
-                        "kind": {"type": "string"},
-                        "metadata": _name_schema(JOB_NAME_MAX, "it names a batch Job and <job>-result"),
-                        "spec": job_spec_schema(),
-                        "status": job_status_schema(),
-                    },
-                    "required": ["spec"],
-                }},
-            }],
-        },
-    }
+    return _crd(
+        "LLMRouterJob", "llmrouterjobs", ["lrj", "llmjob"], {"status": {}},
+        [
+            {"name": "Pool", "type": "string", "jsonPath": ".spec.poolRef.name"},
+            {"name": "Task", "type": "string", "jsonPath": ".spec.task"},
+            {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+            {"name": "Applied", "type": "boolean", "jsonPath": ".status.results.appliedToPool"},
+            {"name": "Message", "type": "string", "priority": 1, "jsonPath": ".status.message"},
+            {"name": "Completed", "type": "date", "jsonPath": ".status.completionTime"},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+        "A one-off task for a pool: fit its hardware profile, or train its DQN router.",
+        _name_schema(JOB_NAME_MAX, "it names a batch Job and <job>-result"),
+        job_spec_schema(), job_status_schema())
 
 
 # ---------------------------------------------------------------- files

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from routerd.policies.base import LOAD_BINS, LoadSummary, ResidentRequest
+from routerd.policies.base import LoadSummary, ResidentRequest, load_bin
 
 if TYPE_CHECKING:
     from routerd.profiles import HardwareProfile
@@ -52,8 +52,7 @@ class Inflight:
         self.predicted_bucket = predicted_bucket
         self.predicted_output = predicted_output
         """Point estimate of the output length from the predicted bucket (tokens)."""
-        pb = predicted_output
-        self.load_bin = 0 if pb < LOAD_BINS[0] else (1 if pb < LOAD_BINS[1] else 2)
+        self.load_bin = load_bin(predicted_output)
         self.generated = 0
         """Output tokens counted so far."""
         self.first_token = False

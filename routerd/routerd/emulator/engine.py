@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -150,7 +151,7 @@ class _EmuRequest(SimRequest):
     __slots__ = ("stream",)
 
 
-class _EngineBase:
+class _EngineBase(ABC):
     """Shared bookkeeping: token delivery, request ends, counters and the one timer."""
 
     def __init__(self, observer: EngineObserver | None) -> None:
@@ -212,8 +213,9 @@ class _EngineBase:
             self._timer_t = t
             self._timer = self._loop.call_at(t, self._tick)
 
+    @abstractmethod
     def _tick(self) -> None:
-        raise NotImplementedError
+        """The timer fired: advance the engine to now and re-arm the timer."""
 
     def close(self) -> None:
         """Cancel the pending timer (the engine is unusable afterwards)."""
