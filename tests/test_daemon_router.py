@@ -20,6 +20,16 @@ from routerd.errors import ConfigError
 from routerd.policies.base import summarize_residents
 
 
+class HoldAll:
+    """A policy that always holds (the router must override it where the cluster would idle)."""
+
+    def pick(self, request, view):
+        return None
+
+    def on_complete(self, *a):
+        pass
+
+
 def make_router(policy="round_robin", params=None, n=2, clock=None, profile=None, **cfg):
     profile = profile or toy_profile()
     pol = build_routing_policy(PolicyConfig(name=policy, params=params or {}), profile, n)
@@ -136,13 +146,6 @@ def test_late_binding_holds_until_a_completion_frees_kv_then_redecides():
 
 def test_holding_an_idle_cluster_is_overridden_after_the_limit():
     async def main():
-        class HoldAll:
-            def pick(self, request, view):
-                return None
-
-            def on_complete(self, *a):
-                pass
-
         r = make_router(action_interval_s=0.01, hold_idle_limit_s=0.05)
         r.set_policy(HoldAll(), "hold_all")
         req = r.new_request(5, None)
@@ -192,13 +195,6 @@ def test_an_invalid_choice_fails_open():
 
 def test_queue_limit_and_no_endpoint_are_refused_before_queueing():
     async def main():
-        class HoldAll:
-            def pick(self, request, view):
-                return None
-
-            def on_complete(self, *a):
-                pass
-
         r = make_router(queue_limit=1, hold_idle_limit_s=60)
         r.set_policy(HoldAll(), "hold_all")
         first = asyncio.create_task(r.dispatch(r.new_request(5, None)))
