@@ -193,6 +193,59 @@ def test_an_invalid_choice_fails_open():
     asyncio.run(main())
 
 
+def test_candidates_follow_cooldowns_readiness_and_exclusions_at_each_decision():
+    """The candidate list is reused between decisions: each change must still show at the next one."""
+    shown: list[list[str]] = []
+
+    class Record:
+        def pick(self, request, view):
+            shown.append([ep.name for ep in view.instances])
+            return view.instances[0].index
+
+        def on_complete(self, *a):
+            pass
+
+    t = [100.0]
+    r = make_router(n=3, clock=lambda: t[0])
+    r.set_policy(Record(), "record")
+    e0, e1, e2 = r.endpoints
+
+    def decide(exclude=frozenset()) -> list[str]:
+        req = r.new_request(5, None)
+        if exclude:  # a retry avoiding the endpoints that failed it
+            asyncio.run(r.dispatch(req, exclude))
+        else:
+            assert r.try_dispatch_now(req) is not None
+        r.finish(req)
+        return shown[-1]
+
+    assert decide() == ["e0", "e1", "e2"]
+    r.note_connect_failure(e1)  # first failure: out for failure_cooldown_s = 1 s
+    assert decide() == ["e0", "e2"]
+    t[0] += 0.999
+    assert decide() == ["e0", "e2"]
+    t[0] += 0.002
+    assert decide() == ["e0", "e1", "e2"]
+    r.note_connect_failure(e1)  # second failure in a row: 2 s
+    r.note_connect_failure(e2)  # 1 s
+    assert decide() == ["e0"]
+    assert decide(frozenset({"e0"})) == ["e1", "e2"]  # every other one cools down: tried anyway
+    assert decide() == ["e0"]
+    t[0] += 1.5  # e2's cooldown is over, e1's is not
+    assert decide() == ["e0", "e2"]
+    r.note_success(e1)
+    assert decide() == ["e0", "e1", "e2"]
+    r.set_endpoints([DiscoveredEndpoint("e0", "http://127.0.0.1:9000", ready=False),
+                     DiscoveredEndpoint("e1", "http://127.0.0.1:9001"),
+                     DiscoveredEndpoint("e2", "http://127.0.0.1:9002")])
+    assert decide() == ["e1", "e2"]
+    r.note_connect_failure(e2)  # its second failure in a row: out for 2 s
+    t[0] += 3.0
+    assert decide() == ["e1", "e2"]
+    t[0] -= 2.5  # a clock that went back into the cooldown must not reuse the list built after it
+    assert decide() == ["e1"]
+
+
 def test_queue_limit_and_no_endpoint_are_refused_before_queueing():
     async def main():
         r = make_router(queue_limit=1, hold_idle_limit_s=60)

@@ -120,3 +120,50 @@ def test_numpy_forward_equals_torch_forward():
         expect = net(x).numpy()
     weights = {k: v.detach().numpy() for k, v in net.state_dict().items()}
     np.testing.assert_allclose(q_values(weights, x.numpy()), expect, rtol=1e-5, atol=1e-6)
+
+
+def test_large_margin_loss_by_hand():
+    torch = pytest.importorskip("torch")
+    from routerd.rl.train import large_margin_loss
+
+    q = torch.tensor([[1.0, 2.0, 0.5], [3.0, 0.0, 2.5]])
+    a = torch.tensor([1, 0])
+    # row 0: max(1+0.8, 2+0, 0.5+0.8) - 2 = 0; row 1: max(3, 0.8, 3.3) - 3 = 0.3
+    assert large_margin_loss(q, a, 0.8).item() == pytest.approx(0.15)
+    # a demonstrated action that is already ahead by more than the margin costs nothing
+    assert large_margin_loss(torch.tensor([[5.0, 0.0]]), torch.tensor([0]), 0.8).item() == 0.0
+
+
+@pytest.mark.parametrize("loss", ["dqfd", "cross-entropy"])
+def test_demonstrations_and_selection_keep_the_best_validated_weights(tmp_path, loss):
+    pytest.importorskip("torch")
+    from routerd.policies.dqn.checkpoint import load_checkpoint
+    from routerd.profiles import get_profile
+    from routerd.rl.train import SELECT_INDEX_BASE, Args, greedy_e2e, train
+
+    lines: list[str] = []
+    args = Args(workload="paper-mix", instances=2, episodes=2, requests_per_episode=40, rate=10.0,
+                learning_starts=20, batch_size=32, target_update_steps=50, explore_episodes=1, eval_episodes=1,
+                demo_policy="late_binding", demo_episodes=1, pretrain_steps=20, pretrain_loss=loss,
+                select_samples=1, select_from=0, output=str(tmp_path / "ck"), seed=2)
+    ck = load_checkpoint(train(args, log=lines.append, progress=False), num_instances=2)
+    training = ck.metadata["training"]
+    # candidates: the pre-trained network and one per episode; the saved one has the lowest E2E
+    scores = [float(x.split("greedy mean E2E ")[1].split("s ")[0]) for x in lines if x.startswith("selection:")]
+    assert len(scores) == 3 and any(x.startswith("demonstration 0: late_binding") for x in lines)
+    assert training["selection_e2e_mean"] == pytest.approx(min(scores), abs=0.005)
+    assert training["selected"] in ("pre-trained", "episode 0", "episode 1")
+    # the saved weights reproduce the recorded validation figure
+    again = greedy_e2e(ck.weights, get_profile(args.profile), 2, args, "train", [SELECT_INDEX_BASE])
+    assert again == pytest.approx(training["selection_e2e_mean"])
+    assert "e2e_vs_heuristic_pct_mean" in ck.metadata["evaluation"]
+
+
+def test_bad_pretrain_loss_is_refused(tmp_path):
+    pytest.importorskip("torch")
+    from routerd.rl.train import Args, train
+
+    with pytest.raises(ValueError, match="pretrain_loss"):
+        train(Args(workload="paper-mix", instances=2, episodes=1, requests_per_episode=20, rate=10.0,
+                   demo_policy="late_binding", demo_episodes=1, pretrain_loss="bogus",
+                   output=str(tmp_path / "ck")), log=lambda _m: None, progress=False)

@@ -191,6 +191,14 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--output", "-o", default="checkpoints/dqn", help="checkpoint folder to write")
+    p.add_argument("--demo-policy", default=None,
+                   help="heuristic whose routing is learned from first (DQfD pre-training; e.g. late_binding)")
+    p.add_argument("--demo-episodes", type=int, default=6, help="episodes demonstrated by --demo-policy")
+    p.add_argument("--pretrain-steps", type=int, default=3000, help="gradient steps on the demonstrations alone")
+    p.add_argument("--pretrain-loss", default="dqfd", choices=["dqfd", "cross-entropy"],
+                   help="dqfd (TD + large margin) or cross-entropy (behaviour cloning)")
+    p.add_argument("--select-samples", type=int, default=0,
+                   help="validation samples from the training part used to keep the best weights (0: keep the last)")
     p.add_argument("--quiet", action="store_true", help="no per-episode log or progress bar")
 
 
@@ -207,6 +215,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     if args.instances < 1 or args.episodes < 1 or args.requests_per_episode < 1:
         raise UsageError("--instances, --episodes and --requests-per-episode must be >= 1")
+    if args.demo_episodes < 1 or args.pretrain_steps < 0 or args.select_samples < 0:
+        raise UsageError("--demo-episodes must be >= 1; --pretrain-steps and --select-samples >= 0")
+    if args.demo_policy:
+        from routerd.policies.registry import build_policy_from_spec
+        from routerd.policies.base import PolicyContext
+
+        # A bad policy spec fails here, before any training time is spent.
+        build_policy_from_spec(args.demo_policy, PolicyContext(get_profile(args.profile), args.instances))
     if args.rate is not None and args.rate < 0:
         raise UsageError(f"--rate must be >= 0, got {args.rate}")
     get_profile(args.profile)
@@ -217,7 +233,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     a = Args(variant=args.variant, workload=args.workload, instances=args.instances, profile=args.profile,
              episodes=args.episodes, requests_per_episode=args.requests_per_episode,
              rate=args.rate or None, prediction=args.prediction, seed=args.seed, data_dir=args.data_dir,
-             output=args.output, explore_episodes=min(20, args.episodes))
+             output=args.output, explore_episodes=min(20, args.episodes), demo_policy=args.demo_policy or None,
+             demo_episodes=args.demo_episodes, pretrain_steps=args.pretrain_steps, pretrain_loss=args.pretrain_loss,
+             select_samples=args.select_samples)
     log = (lambda _msg: None) if args.quiet else print
     try:
         train(a, log=log, progress=not args.quiet and sys.stderr.isatty())

@@ -143,6 +143,10 @@ class Router:
         self._idle_hold_since: float | None = None
         self._policy_fallbacks = getattr(policy, "fallbacks", None)
         self._idle_waiters: list[asyncio.Future] = []
+        self._cands: list[EndpointState] | None = None
+        """Candidates without exclusions, reused while valid (see :meth:`_candidates`)."""
+        self._cands_from = 0.0
+        self._cands_until = 0.0
         self.failure_cooldown_s = 1.0
         """First connect-failure cooldown of an endpoint (s); doubles per further failure."""
         self.on_ready_change: Callable[[], None] | None = None
@@ -195,6 +199,7 @@ class Router:
                     ep.url, ep.target = d.url, url_target(d.url)
                 ep.state_address, ep.ready, ep.removed = d.state_address, d.ready, False
             ep.m.ready.set(1 if ep.ready else 0)
+        self._cands = None
         for ep in list(self.endpoints):
             if ep.name not in seen and not ep.removed:
                 ep.removed = True
@@ -209,6 +214,7 @@ class Router:
         gone = [ep for ep in self.endpoints if ep.removed and not ep.requests]
         if not gone:
             return
+        self._cands = None
         for ep in gone:
             del self.by_name[ep.name]
             self.metrics.remove_endpoint(ep.name)
@@ -356,6 +362,7 @@ class Router:
     def note_connect_failure(self, ep: EndpointState) -> None:
         """An upstream connect failed: keep new requests off ``ep`` for a doubling cooldown."""
         ep.connect_failures += 1
+        self._cands = None
         base = self.failure_cooldown_s
         if base > 0:
             ep.down_until = self.clock() + min(MAX_COOLDOWN_S, base * 2 ** (ep.connect_failures - 1))
@@ -367,15 +374,31 @@ class Router:
         if ep.connect_failures:
             ep.connect_failures = 0
             ep.down_until = 0.0
+            self._cands = None
             if self.on_ready_change is not None:
                 self.on_ready_change()
 
     # -- the decision loop -------------------------------------------------------
     def _candidates(self, exclude, now: float) -> list[EndpointState]:
+        """Ready endpoints not in ``exclude`` and not cooling down (all ready ones if every one is).
+
+        Without exclusions the list is reused until the endpoint table or a cooldown
+        changes, or the earliest cooldown ends: it is rebuilt at most that often instead
+        of at every decision. Callers must not modify it.
+        """
+        if not exclude:
+            c = self._cands
+            if c is not None and self._cands_from <= now < self._cands_until:
+                return c
         cands = [ep for ep in self.endpoints if ep.ready and ep.down_until <= now and ep.name not in exclude]
         if not cands:
             # Every ready endpoint is cooling down after connect failures: try them anyway.
             cands = [ep for ep in self.endpoints if ep.ready and ep.name not in exclude]
+        if not exclude:
+            self._cands = cands
+            self._cands_from = now
+            self._cands_until = min((ep.down_until for ep in self.endpoints if ep.ready and ep.down_until > now),
+                                    default=float("inf"))
         return cands
 
     def _round_robin(self, cands: list[EndpointState]) -> EndpointState:

@@ -116,7 +116,17 @@ def summarize_residents(residents: Sequence[ResidentRequest]) -> LoadSummary:
 
 
 class InstanceView(Protocol):
-    """State of one serving instance at the decision time (read-only)."""
+    """State of one serving instance at the decision time (read-only).
+
+    A view may also offer aggregates it keeps incrementally, which the scanning
+    helpers use instead of walking :meth:`residents` (they must return exactly what
+    the scan would):
+
+    * ``outstanding_tokens() -> float | None``: the JSQ metric
+      (:func:`routerd.policies.join_shortest_queue.outstanding_tokens`), tokens;
+      None when it cannot answer exactly;
+    * ``waiting_kv_blocks() -> int``: :func:`routerd.policies.kv_headroom.waiting_kv_blocks`, blocks.
+    """
 
     index: int
     num_running: int

@@ -42,7 +42,16 @@ def remaining_decode_tokens(r: ResidentRequest) -> float:
 
 
 def outstanding_tokens(instance: InstanceView) -> float:
-    """The JSQ metric: remaining prefill + predicted remaining decode tokens of all residents."""
+    """The JSQ metric: remaining prefill + predicted remaining decode tokens of all residents (tokens).
+
+    Read from the view's own ``outstanding_tokens()`` when it keeps one (O(1) in routerd),
+    else counted from ``residents()``.
+    """
+    fast = getattr(instance, "outstanding_tokens", None)
+    if fast is not None:
+        kept = fast()
+        if kept is not None:
+            return kept
     total = 0.0
     for r in instance.residents():
         if r.in_prefill or r.waiting:

@@ -58,7 +58,14 @@ def predicted_footprint_tokens(prompt_tokens: int, predicted_output_tokens: floa
 
 
 def waiting_kv_blocks(instance: InstanceView) -> int:
-    """Blocks the instance's waiting requests need just to start (prompt + generated)."""
+    """Blocks the instance's waiting requests need just to start (prompt + generated; blocks).
+
+    Read from the view's own ``waiting_kv_blocks()`` when it keeps one (routerd does),
+    else counted from ``residents()``.
+    """
+    fast = getattr(instance, "waiting_kv_blocks", None)
+    if fast is not None:
+        return fast()
     bs = instance.block_size
     return sum(blocks_for(r.prompt_tokens + r.generated_tokens, bs) for r in instance.residents() if r.waiting)
 

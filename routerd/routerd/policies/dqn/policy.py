@@ -70,5 +70,5 @@ class DQNPolicy(RoutingPolicy):
         q = self.q(request, view)
         if not self.params.allow_hold:  # type: ignore[attr-defined]
             q = q[:m]
-        a = int(np.argmax(q))
+        a = int(q.argmax())
         return None if a == m else view.instances[a].index
