@@ -13,7 +13,7 @@ backends directly (clients split evenly), then through ``python -m routerd.daemo
   phase, divided by the requests completed in it).
 
 Usage: python benchmarks/routerd_overhead.py [--seconds 15] [--concurrency 128] [--tokens 64]
-       [--policy round_robin] [--event-loop auto|asyncio|uvloop]
+       [--policy round_robin] [--event-loop auto|asyncio|uvloop] [--router routerd|floor|floor-c]
 Targets: >= 95% of direct throughput, <= 3 ms added to p50 TTFT and E2E, <= 1.5 ms CPU/request.
 """
 
@@ -23,8 +23,10 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -202,6 +204,16 @@ def _wait_port(port, timeout=20.0):
     raise RuntimeError(f"nothing listens on {port}")
 
 
+def _build_floor_c(src: Path, outdir: str) -> str:
+    """Compile relay_floor_c.c into ``outdir``; returns the binary's path."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise SystemExit("--router floor-c needs gcc on PATH to compile benchmarks/relay_floor_c.c")
+    exe = os.path.join(outdir, "relay_floor_c")
+    subprocess.run([gcc, "-O2", "-o", exe, str(src)], check=True)
+    return exe
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=15.0)
@@ -210,6 +222,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--policy", default="round_robin")
     ap.add_argument("--event-loop", default="auto", choices=["auto", "asyncio", "uvloop"])
+    ap.add_argument("--router", default="routerd", choices=["routerd", "floor", "floor-c"],
+                    help="what to put between client and backends: routerd, relay_floor.py (the least a "
+                         "Python relay can spend; see that file), or relay_floor_c.c (the same relay in C, "
+                         "compiled with gcc: the native floor)")
     ap.add_argument("--mode", default="main", choices=["main", "backend", "load"], help=argparse.SUPPRESS)
     ap.add_argument("--ports", default="", help=argparse.SUPPRESS)
     ap.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
@@ -224,6 +240,7 @@ def main() -> None:
     py = sys.executable
     me = str(Path(__file__).resolve())
     b1, b2, rp = _free_ports(3)
+    tmp = tempfile.TemporaryDirectory(prefix="relay_floor_c-")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "routerd") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = [subprocess.Popen([py, me, "--mode", "backend", "--ports", str(p)]) for p in (b1, b2)]
     try:
@@ -232,11 +249,16 @@ def main() -> None:
         load = [py, me, "--mode", "load", "--concurrency", str(a.concurrency), "--seconds", str(a.seconds),
                 "--warmup", str(a.warmup), "--tokens", str(a.tokens)]
         direct = json.loads(subprocess.check_output(load + ["--ports", f"{b1},{b2}"]))
-        router = subprocess.Popen(
-            [py, "-m", "routerd.daemon", "--host", "127.0.0.1", "--port", str(rp), "--no-grpc", "--model", "m",
+        if a.router == "floor":
+            cmd = [py, str(Path(me).with_name("relay_floor.py")), str(rp), str(b1), str(b2)]
+        elif a.router == "floor-c":
+            cmd = [_build_floor_c(Path(me).with_name("relay_floor_c.c"), tmp.name), str(rp), str(b1), str(b2)]
+        else:
+            cmd = [py, "-m", "routerd.daemon", "--host", "127.0.0.1", "--port", str(rp), "--no-grpc", "--model", "m",
              "--policy", a.policy, "--log-level", "warning",
-             "--endpoint", f"a=http://127.0.0.1:{b1}", "--endpoint", f"b=http://127.0.0.1:{b2}"],
-            env={**env, "PHASEWISE_EVENT_LOOP": a.event_loop, "PHASEWISE_RELOAD__WATCH": "false"})
+                   "--endpoint", f"a=http://127.0.0.1:{b1}", "--endpoint", f"b=http://127.0.0.1:{b2}"]
+        router = subprocess.Popen(
+            cmd, env={**env, "PHASEWISE_EVENT_LOOP": a.event_loop, "PHASEWISE_RELOAD__WATCH": "false"})
         procs.append(router)
         _wait_port(rp)
         via = json.loads(subprocess.check_output(load + ["--ports", str(rp), "--pid", str(router.pid)]))
@@ -245,11 +267,12 @@ def main() -> None:
             p.terminate()
         for p in procs:
             p.wait()
+        tmp.cleanup()
     cpu_ms = via["cpu_ms_per_request"]
     print(f"setting: {a.concurrency} concurrent streams, {a.tokens} tokens at 5 ms after 20 ms, 2 backends, "
           f"{a.seconds:g} s (+{a.warmup:g} s warm-up), policy {a.policy}, event loop {a.event_loop}")
     print(f"{'':8s} {'req/s':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'E2E p50':>9s} {'E2E p99':>9s}  (ms)")
-    for name, r in (("direct", direct), ("routerd", via)):
+    for name, r in (("direct", direct), (a.router, via)):
         print(f"{name:8s} {r['rps']:8.1f} {r['ttft_p50_ms']:9.2f} {r['ttft_p99_ms']:9.2f} {r['e2e_p50_ms']:9.2f} "
               f"{r['e2e_p99_ms']:9.2f}")
     print(f"throughput kept {100 * via['rps'] / direct['rps']:.1f}%  "

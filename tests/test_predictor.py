@@ -31,12 +31,20 @@ from routerd.profiles import get_profile
 def test_edges_parse_list_and_profile(tmp_path):
     assert parse_edges("250,1000,4000") == (250, 1000, 4000)
     assert parse_edges(" 10, 20 ") == (10, 20)
-    # 0.035 s per decode token -> 28.57 tok/s; 0.5 s, 2 s, 8 s -> 14, 57, 228 tokens.
-    assert parse_edges("profile:llama2-7b-v100") == (14, 57, 228)
+    # The V100 profile carries the paper's ~500 decode tokens/s per instance: 0.5 s, 2 s, 8 s
+    # -> the paper's 250 / 1000 / 4000 (arXiv 2408.13510 §5.1).
+    assert parse_edges("profile:llama2-7b-v100") == (250, 1000, 4000)
     assert parse_edges("profile:llama2-7b-v100") == get_profile("llama2-7b-v100").derived_bucket_edges()
-    # 500 tok/s (0.002 s/token) reproduces the paper's 250 / 1000 / 4000 (arXiv 2408.13510 §5.1).
-    assert toy_profile(decode_token_time_s=0.002).derived_bucket_edges() == (250, 1000, 4000)
-    assert toy_profile(decode_token_time_s=0.004).derived_bucket_edges() == (125, 500, 2000)
+    assert toy_profile(decode_throughput_tokens_per_s=250.0).derived_bucket_edges() == (125, 500, 2000)
+    # Derived from the latency model: (0.02 - 0.01) / (0.001 + 1024 * 0) = 10 requests per
+    # 0.02 s iteration = 500 tok/s; capped at max_num_seqs = 8 it is 400 tok/s.
+    flat = dict(decode_per_seq_s=0.001, decode_per_ctx_token_s=0.0, decode_token_time_s=0.02, overhead_s=0.01)
+    assert toy_profile(**flat, max_num_seqs=128, max_num_batched_tokens=128).derived_bucket_edges() == (250, 1000, 4000)
+    assert toy_profile(**flat, max_num_seqs=8).derived_bucket_edges() == (200, 800, 3200)
+    # An iteration time at or under the overhead leaves one request per iteration: 1 / 0.02 s.
+    assert toy_profile(decode_token_time_s=0.01).decode_throughput() == pytest.approx(100.0)
+    # The A100 profile's iteration time is Vidur's B = 32 at 1K context: about 32 / 0.02 s.
+    assert 1590 < get_profile("llama2-7b-a100").decode_throughput() < 1605
 
 
 @pytest.mark.parametrize("bad", ["", "3,2", "5,5", "0,10", "a,b", "profile:no-such-profile"])

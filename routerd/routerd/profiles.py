@@ -27,6 +27,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
+THROUGHPUT_CONTEXT_TOKENS = 1024
+"""Resident tokens per request assumed when a profile's decode throughput is derived from
+its latency model (the Vidur A100 decode point the shipped A100 profile uses, B = 32 at 1K)."""
+
+
 class ProfileError(ValueError):
     """A profile name is unknown or a profile file is invalid."""
 
@@ -68,6 +73,11 @@ class HardwareProfile(BaseModel):
     """Mixing estimator: decode-side gradient (paper §5.2; units unclear, see estimator)."""
     decode_token_time_s: float = Field(gt=0)
     """Average decode iteration time under load (s); converts decode tokens to seconds."""
+    decode_throughput_tokens_per_s: float | None = Field(default=None, gt=0)
+    """Decode tokens per second of one instance under load (tokens/s, all its requests
+    together): turns the predictor's bucket times into token edges (paper §5.1: about 500
+    on the paper's V100). None derives it from the latency model, see
+    :meth:`decode_throughput`."""
     heavy_prefill_s: float = Field(default=0.5, gt=0)
     """Prefill time at or above which a prompt is heavy (paper §4.2: 0.5 s)."""
     heavy_decode_s: float = Field(default=5.0, gt=0)
@@ -140,9 +150,32 @@ class HardwareProfile(BaseModel):
         """Decode tokens per second at the average decode iteration time, for one request."""
         return 1.0 / self.decode_token_time_s
 
+    def decode_throughput(self, context_tokens_per_request: int = THROUGHPUT_CONTEXT_TOKENS) -> float:
+        """Decode tokens per second of the whole instance under load (tokens/s).
+
+        ``decode_throughput_tokens_per_s`` when set. Otherwise the batch ``B`` whose
+        decode iteration, with ``context_tokens_per_request`` resident tokens per
+        request, lasts ``decode_token_time_s`` (the profile's "iteration under load"):
+        ``B = (decode_token_time_s - overhead_s) / (decode_per_seq_s + context *
+        decode_per_ctx_token_s)``, capped at ``max_num_seqs`` and at least 1, gives
+        ``B / decode_token_time_s``. For ``llama2-7b-a100`` that is the Vidur point the
+        profile's iteration time comes from (B = 32 at 1K context): about 1,600 tokens/s.
+        """
+        if self.decode_throughput_tokens_per_s is not None:
+            return self.decode_throughput_tokens_per_s
+        per_request = self.decode_per_seq_s + context_tokens_per_request * self.decode_per_ctx_token_s
+        spare = self.decode_token_time_s - self.overhead_s
+        batch = spare / per_request if per_request > 0 and spare > 0 else 1.0
+        return min(max(batch, 1.0), float(self.max_num_seqs)) / self.decode_token_time_s
+
     def derived_bucket_edges(self, base_s: float = 0.5, factor: float = 4.0, n: int = 3) -> tuple[int, ...]:
-        """Bucket edges (tokens) from decode speed: times base_s * factor**k, k < n (paper §5.1)."""
-        rate = self.decode_tokens_per_second()
+        """Bucket edges (tokens) from the instance's decode throughput: the tokens it decodes in
+        ``base_s * factor**k`` seconds, ``k < n`` (paper §5.1: 0.5 / 2 / 8 s at about 500
+        tokens/s give 250 / 1000 / 4000 tokens).
+
+        The paper's rate is the instance's throughput under load, not one request's speed
+        (one request decodes at about 28 tokens/s on the V100, which would give 14 / 57 / 228)."""
+        rate = self.decode_throughput()
         return tuple(int(math.floor(base_s * factor**k * rate)) for k in range(n))
 
 

@@ -113,7 +113,7 @@ def parse_edges(spec: str) -> tuple[int, ...]:
     """Bucket edges from ``"250,1000,4000"`` or ``"profile:NAME_OR_YAML"``.
 
     ``profile:NAME`` uses :meth:`HardwareProfile.derived_bucket_edges` (decode time
-    0.5 s x 4^k at the profile's decode speed, paper §5.1). Edges must be strictly
+    0.5 s x 4^k at the instance's decode throughput, paper §5.1). Edges must be strictly
     increasing positive integers.
 
     Raises:
