@@ -1,0 +1,91 @@
+"""A lower bound on the makespan any router can reach in the simulator, beside round robin's.
+
+Issue #3 asks the RL router for >= 20% lower makespan than round robin. Whatever a router
+does, every request's work must be done on some instance, so
+
+    makespan >= sum over requests of W_r / m
+
+with ``W_r`` the least instance time request r can cost under the simulator's latency
+model (``routerd/sim/instance.py``: an iteration costs ``overhead_s + prefill_per_token_s *
+prefill tokens + prefill_attn_s * attention + decode_per_seq_s * decoding requests +
+decode_per_ctx_token_s * their context``):
+
+    W_r = prefill_per_token_s * p + prefill_attn_s * p**2          (its prefill, unchunked)
+        + sum_{g=1}^{o-1} (decode_per_seq_s + decode_per_ctx_token_s * (p + g))
+        + (o - 1) * overhead_s / max_num_seqs                       (its share of overheads)
+
+for prompt ``p`` and output ``o`` tokens (the first output token comes from the prefill
+iteration). It leaves out every prefill overhead, recomputation after preemption and
+idle time, so no schedule beats it. If round robin's makespan is within 20% of the bound,
+a 20% reduction is impossible for any policy on that sample.
+
+The samples are the held-out ones the RL evaluation uses (``routerd.rl.splits``, part
+``eval``), so the figures hold for the same requests.
+
+Usage: python benchmarks/makespan_bound.py [--workload public-mix] [--instances 4]
+       [--rate 20] [--requests 1000] [--seeds 5] [--profile llama2-7b-v100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from routerd.policies.base import PolicyContext
+from routerd.policies.registry import build_policy_from_spec
+from routerd.profiles import HardwareProfile, get_profile
+from routerd.rl import splits
+from routerd.sim import ClusterSimulator, prepare_requests
+from routerd.sim.report import summarize
+
+
+def least_work_s(profile: HardwareProfile, prompt: int, output: int) -> float:
+    """Least instance time (s) one request of ``prompt`` / ``output`` tokens costs (see module doc)."""
+    n = max(output - 1, 0)
+    ctx = n * prompt + n * (n + 1) // 2
+    return (profile.prefill_per_token_s * prompt + profile.prefill_attn_s * prompt * prompt
+            + n * profile.decode_per_seq_s + profile.decode_per_ctx_token_s * ctx
+            + n * profile.overhead_s / profile.max_num_seqs)
+
+
+def makespan_lower_bound(profile: HardwareProfile, m: int, requests) -> float:
+    """Lower bound (s) on the makespan of ``requests`` (prepared SimRequests) on ``m`` instances."""
+    return sum(least_work_s(profile, r.prompt, r.output) for r in requests) / m
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="public-mix")
+    ap.add_argument("--instances", type=int, default=4)
+    ap.add_argument("--rate", type=float, default=20.0)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--profile", default="llama2-7b-v100")
+    ap.add_argument("--policies", default="round_robin;late_binding")
+    a = ap.parse_args()
+    prof = get_profile(a.profile)
+    m = a.instances
+    specs = [s for s in a.policies.split(";") if s]
+    print(f"{a.workload}, {m} x {prof.name}, {a.requests} requests at {a.rate:g} req/s, held-out samples 0..{a.seeds - 1}")
+    print(f"{'sample':>6s} {'bound s':>9s} " + " ".join(f"{s[:22]:>22s}" for s in specs) + "   (makespan s, and bound / makespan)")
+    ratios: dict[str, list[float]] = {s: [] for s in specs}
+    for i in range(a.seeds):
+        reqs = splits.sample(a.workload, "eval", i, a.requests, a.rate)
+        prep = prepare_requests(reqs, prof, prediction="true", seed=i)
+        bound = makespan_lower_bound(prof, m, prep.requests)
+        cells = []
+        for spec in specs:
+            run_reqs = prepare_requests(reqs, prof, prediction="true", seed=i).requests
+            policy = build_policy_from_spec(spec, PolicyContext(prof, m, seed=i))
+            mk = summarize(ClusterSimulator(prof, m, policy).run(run_reqs)).makespan
+            ratios[spec].append(bound / mk)
+            cells.append(f"{mk:9.1f} ({bound / mk:6.1%})")
+        print(f"{i:6d} {bound:9.1f} " + " ".join(f"{c:>22s}" for c in cells))
+    for spec in specs:
+        r = ratios[spec]
+        print(f"{spec}: the bound is {min(r):.1%}-{max(r):.1%} of its makespan (mean {statistics.mean(r):.1%}); "
+              f"the largest possible reduction is {1 - max(r):.1%}-{1 - min(r):.1%}")
+
+
+if __name__ == "__main__":
+    main()
