@@ -54,16 +54,20 @@ def prompts(n: int, data_dir: str | None) -> list[tuple]:
     return [(r.prompt, r.prompt_tokens, r.task) for r in pick]
 
 
-def time_per_request(pred, batch: list[tuple], repeats: int) -> float:
-    """Median over ``repeats`` of ms per request over all batches of 64."""
+def time_per_request(pred, batch: list[tuple], repeats: int) -> tuple[float, float]:
+    """(wall, CPU) ms per request over all batches of 64, each the median over ``repeats``.
+
+    CPU is this process's user + system time (``time.process_time``), all threads
+    together: with 2 torch threads it can be up to twice the wall time."""
     pred.predict(batch[:64])  # warm-up (allocations, lazy init)
-    runs = []
+    walls, cpus = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         for k in range(0, len(batch), 64):
             pred.predict(batch[k: k + 64])
-        runs.append((time.perf_counter() - t) * 1000 / len(batch))
-    return statistics.median(runs)
+        walls.append((time.perf_counter() - t) * 1000 / len(batch))
+        cpus.append((time.process_time() - c) * 1000 / len(batch))
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def main() -> None:
@@ -87,20 +91,21 @@ def main() -> None:
         served = HFPredictor.load(model, quantize=True, threads=args.threads, hint="true", chunk=16)
         plain = HFPredictor.load(model, quantize=False, threads=args.threads, hint="true", chunk=64)
         layers = served.bucket_model.config.num_hidden_layers
-        t_served = time_per_request(served, batch, args.repeats)
-        t_plain = time_per_request(plain, batch, args.repeats)
+        t_served, c_served = time_per_request(served, batch, args.repeats)
+        t_plain, c_plain = time_per_request(plain, batch, args.repeats)
         print(f"{len(batch)} held-out prompts, batches of 64, {args.threads} torch thread(s), "
               f"{layers} layer(s), max {served.max_length} tokens, task hint given")
-        print(f"served (int8, length-sorted chunks of 16): {t_served:.2f} ms/request")
-        print(f"unoptimised (fp32, one padded batch):      {t_plain:.2f} ms/request")
+        print(f"served (int8, length-sorted chunks of 16): {t_served:.2f} ms/request wall, {c_served:.2f} ms CPU")
+        print(f"unoptimised (fp32, one padded batch):      {t_plain:.2f} ms/request wall, {c_plain:.2f} ms CPU")
         print(f"speed-up served vs unoptimised:            {t_plain / t_served:.2f}x")
         if args.full:
             full = build_untrained(6, served.max_length, Path(tmp) / "full")
             p6 = HFPredictor.load(full, quantize=False, threads=args.threads, hint="true", chunk=64)
-            t6 = time_per_request(p6, batch[:128], 1)
+            t6, _ = time_per_request(p6, batch[:128], 1)
             print(f"MiniLM-L6 fp32 (6 layers, one padded batch): {t6:.2f} ms/request "
                   f"({t6 / t_served:.1f}x the served model)")
-        print(f"target <= 2 ms/request: {'met' if t_served <= 2.0 else 'NOT met'}")
+        print(f"target <= 2 ms/request: wall {'met' if t_served <= 2.0 else 'NOT met'}, "
+              f"CPU {'met' if c_served <= 2.0 else 'NOT met'}")
 
 
 if __name__ == "__main__":
