@@ -10,12 +10,14 @@ model (``routerd/sim/instance.py``: an iteration costs ``overhead_s + prefill_pe
 prefill tokens + prefill_attn_s * attention + decode_per_seq_s * decoding requests +
 decode_per_ctx_token_s * their context``):
 
-    W_r = prefill_per_token_s * p + prefill_attn_s * p**2          (its prefill, unchunked)
+    W_r = prefill_per_token_s * p + prefill_attn_s * A(p)           (its prefill)
         + sum_{g=1}^{o-1} (decode_per_seq_s + decode_per_ctx_token_s * (p + g))
         + (o - 1) * overhead_s / max_num_seqs                       (its share of overheads)
 
 for prompt ``p`` and output ``o`` tokens (the first output token comes from the prefill
-iteration). It leaves out every prefill overhead, recomputation after preemption and
+iteration). ``A(p)`` is the least prefill attention: ``p**2`` unchunked; with chunked
+prefill, chunks ``c_k`` cost ``sum_k c_k * (c_1 + .. + c_k) = (p**2 + sum_k c_k**2) / 2``,
+least for 1-token chunks: ``p * (p + 1) / 2``. It leaves out every prefill overhead, recomputation after preemption and
 idle time, so no schedule beats it. If round robin's makespan is within 20% of the bound,
 a 20% reduction is impossible for any policy on that sample.
 
@@ -33,17 +35,19 @@ import statistics
 
 from routerd.policies.base import PolicyContext
 from routerd.policies.registry import build_policy_from_spec
-from routerd.profiles import HardwareProfile, get_profile
+from routerd.profiles import HardwareProfile, ProfileError, get_profile
 from routerd.rl import splits
 from routerd.sim import ClusterSimulator, prepare_requests
 from routerd.sim.report import summarize
+from routerd.workloads import WorkloadError
 
 
 def least_work_s(profile: HardwareProfile, prompt: int, output: int) -> float:
     """Least instance time (s) one request of ``prompt`` / ``output`` tokens costs (see module doc)."""
     n = max(output - 1, 0)
     ctx = n * prompt + n * (n + 1) // 2
-    return (profile.prefill_per_token_s * prompt + profile.prefill_attn_s * prompt * prompt
+    attn = prompt * (prompt + 1) / 2 if profile.chunked_prefill else prompt * prompt
+    return (profile.prefill_per_token_s * prompt + profile.prefill_attn_s * attn
             + n * profile.decode_per_seq_s + profile.decode_per_ctx_token_s * ctx
             + n * profile.overhead_s / profile.max_num_seqs)
 
@@ -63,7 +67,13 @@ def main() -> None:
     ap.add_argument("--profile", default="llama2-7b-v100")
     ap.add_argument("--policies", default="round_robin;late_binding")
     a = ap.parse_args()
-    prof = get_profile(a.profile)
+    if a.instances < 1 or a.seeds < 1 or a.requests < 1 or not a.rate > 0:
+        ap.error("--instances, --seeds and --requests must be >= 1 and --rate > 0")
+    try:
+        prof = get_profile(a.profile)
+        splits.sample(a.workload, "eval", 0, a.requests, a.rate)
+    except (ProfileError, WorkloadError, ValueError) as e:
+        ap.exit(2, f"makespan_bound: error: {e}\n")
     m = a.instances
     specs = [s for s in a.policies.split(";") if s]
     print(f"{a.workload}, {m} x {prof.name}, {a.requests} requests at {a.rate:g} req/s, held-out samples 0..{a.seeds - 1}")

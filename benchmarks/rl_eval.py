@@ -210,6 +210,15 @@ def validate(a: argparse.Namespace) -> None:
     if not Path(a.out).resolve().parent.is_dir():
         # Checked now so a long run does not end unable to write its result.
         raise UsageError(f"--out {a.out}: folder {Path(a.out).resolve().parent} does not exist")
+    if Path(a.out).is_dir():
+        raise UsageError(f"--out {a.out}: is a folder; give a file name (e.g. {Path(a.out) / 'rl-eval.json'})")
+    for workload in a.settings:
+        # A trace's data and held-out length are checked now, not after the settings before it ran.
+        if workload not in GENERATORS:
+            try:
+                splits.sample(workload, "eval", 0, a.requests, None, a.data_dir)
+            except ValueError as e:  # WorkloadError (missing data), or a held-out part shorter than n
+                raise UsageError(f"--settings {workload}: {e}") from None
     for spec in a.policies:
         try:
             build_policy_from_spec(spec, PolicyContext(a.profile_obj, 2))

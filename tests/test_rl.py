@@ -167,3 +167,43 @@ def test_bad_pretrain_loss_is_refused(tmp_path):
         train(Args(workload="paper-mix", instances=2, episodes=1, requests_per_episode=20, rate=10.0,
                    demo_policy="late_binding", demo_episodes=1, pretrain_loss="bogus",
                    output=str(tmp_path / "ck")), log=lambda _m: None, progress=False)
+
+
+def test_a_held_out_part_shorter_than_an_episode_is_refused_before_training(tmp_path):
+    # sample: 2,000 requests, train part 1,200, held-out part 800. 900 requests per episode
+    # fit the training part, so the failure used to come after training, with nothing saved.
+    pytest.importorskip("torch")
+    from routerd.rl.train import Args, train
+
+    lines: list[str] = []
+    with pytest.raises(ValueError, match="eval part has 800 requests"):
+        train(Args(workload="sample", instances=2, episodes=1, requests_per_episode=900, rate=None,
+                   output=str(tmp_path / "ck")), log=lines.append, progress=False)
+    assert lines == []
+
+
+@pytest.mark.parametrize("seed, extra, needle", [
+    (90, {"select_samples": 1}, "validation"),  # episode 0 = sample 900,000 = validation sample 0
+    (100, {"select_samples": 1, "demo_policy": "late_binding", "demo_episodes": 1}, "validation"),
+    (-1, {}, "seed"),
+    (2**32, {}, "seed"),
+])
+def test_seeds_whose_sample_indices_collide_are_refused(tmp_path, seed, extra, needle):
+    pytest.importorskip("torch")
+    from routerd.rl.train import Args, train
+
+    lines: list[str] = []
+    with pytest.raises(ValueError, match=needle):
+        train(Args(workload="paper-mix", instances=2, episodes=1, requests_per_episode=20, rate=10.0, seed=seed,
+                   eval_episodes=1, pretrain_steps=1, output=str(tmp_path / "ck"), **extra),
+              log=lines.append, progress=False)
+    assert lines == []
+
+
+def test_train_cli_bad_seed_is_one_line(capsys):
+    pytest.importorskip("torch")
+    from routerd.cli import main
+
+    assert main(["train", "--seed", "-1", "--episodes", "1", "--requests-per-episode", "5", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "seed" in err

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import policy_params
+from routerd.policies.base import PolicyContext
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "rl_eval.py"
 _spec = importlib.util.spec_from_file_location("rl_eval", _PATH)
@@ -111,3 +112,88 @@ def test_bad_input_exits_2_with_one_line(argv, needle, tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err
+
+
+def _t_quantile_975_by_integration(df: int) -> float:
+    """t_{0.975, df} from the Student-t density alone: Simpson's rule on [0, x] and bisection."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def mass(x: float, n: int = 2000) -> float:  # P(0 < T < x)
+        h = x / n
+        f = [c * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
+        return h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 20.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mass(mid) < 0.475 else (lo, mid)
+    return (lo + hi) / 2
+
+
+@pytest.mark.parametrize("df", [2, 4, 9])
+def test_t_table_agrees_with_a_numerical_integration(df):
+    # The table has 3 decimals: it must be the rounded quantile.
+    assert abs(rl_eval.t_quantile_975(df) - _t_quantile_975_by_integration(df)) <= 0.0005
+
+
+def test_out_that_is_a_folder_is_refused_before_the_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        rl_eval.main(["--quick", "--no-progress", "--requests", "20", "--settings", "paper-mix",
+                      "--instances", "2", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert "== paper-mix" not in out  # nothing was simulated
+    assert len(err.strip().splitlines()) == 1 and "--out" in err
+
+
+def test_trace_setting_without_data_is_refused_before_any_setting_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        rl_eval.main(["--quick", "--no-progress", "--requests", "20", "--settings", "paper-mix,azure-code",
+                      "--instances", "2", "--data-dir", str(tmp_path / "none"), "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert "== paper-mix" not in out
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_held_out_part_shorter_than_requests_is_a_usage_error_in_validate(tmp_path):
+    from routerd.rl import splits
+
+    held_out = len(splits._trace("azure-code", None)) - int(len(splits._trace("azure-code", None))
+                                                            * splits.TRAIN_FRACTION)
+    a = rl_eval.parse_args(["--settings", "paper-mix,azure-code", "--instances", "2", "--seeds", "2",
+                            "--requests", str(held_out + 1), "--out", str(tmp_path / "x.json")])
+    with pytest.raises(rl_eval.UsageError, match="azure-code"):
+        rl_eval.validate(a)
+
+
+def _makespan_bound_module():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "makespan_bound.py"
+    spec = importlib.util.spec_from_file_location("makespan_bound", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_makespan_bound_is_below_the_simulated_makespan_with_prefill_attention(chunked):
+    # Prefill attention only: a chunked prefill of 256 tokens in 16-token chunks costs
+    # sum_k 16 * 16k = 34,816 token^2, about half of the unchunked 256^2 = 65,536. The
+    # bound must stay below what the simulator reaches.
+    from conftest import toy_profile
+    from routerd.model import Request
+    from routerd.policies.round_robin import RoundRobin
+    from routerd.sim import ClusterSimulator, prepare_requests
+    from routerd.sim.report import summarize
+
+    mb = _makespan_bound_module()
+    prof = toy_profile(overhead_s=0.0, prefill_per_token_s=0.0, prefill_attn_s=1e-3, decode_per_seq_s=0.0,
+                       decode_per_ctx_token_s=0.0, chunked_prefill=chunked, max_model_len=512,
+                       max_num_batched_tokens=16 if chunked else 512)
+    reqs = prepare_requests([Request(id=0, arrival_s=0.0, prompt_tokens=256, output_tokens=1)], prof).requests
+    bound = mb.makespan_lower_bound(prof, 1, reqs)
+    run_reqs = prepare_requests([Request(id=0, arrival_s=0.0, prompt_tokens=256, output_tokens=1)], prof).requests
+    makespan = summarize(ClusterSimulator(prof, 1, RoundRobin(PolicyContext(prof, 1))).run(run_reqs)).makespan
+    assert bound <= makespan + 1e-9
+    # and it is the least work: 1-token chunks give sum_k k = p (p + 1) / 2; unchunked p^2
+    assert bound == pytest.approx(1e-3 * (256 * 257 / 2 if chunked else 256 * 256))

@@ -176,7 +176,15 @@ class HardwareProfile(BaseModel):
         The paper's rate is the instance's throughput under load, not one request's speed
         (one request decodes at about 28 tokens/s on the V100, which would give 14 / 57 / 228)."""
         rate = self.decode_throughput()
-        return tuple(int(math.floor(base_s * factor**k * rate)) for k in range(n))
+        edges = tuple(int(math.floor(base_s * factor**k * rate)) for k in range(n))
+        if not edges or edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:])):
+            field = ("decode_throughput_tokens_per_s" if self.decode_throughput_tokens_per_s is not None
+                     else "decode_token_time_s (decode_throughput_tokens_per_s absent)")
+            raise ProfileError(
+                f"profile {self.name!r}: field {field}: a decode throughput of {rate:g} "
+                f"tokens/s gives bucket edges {list(edges)}, which are not positive and strictly increasing "
+                f"(needs >= {1 / base_s:g} tokens/s)")
+        return edges
 
 
 def _profiles_dir() -> Path:

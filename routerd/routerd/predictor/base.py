@@ -123,10 +123,15 @@ def parse_edges(spec: str) -> tuple[int, ...]:
     if spec.startswith("profile:"):
         from routerd.profiles import ProfileError, get_profile
 
+        name = spec[len("profile:"):]
         try:
-            edges = get_profile(spec[len("profile:"):]).derived_bucket_edges()
-        except ProfileError as e:
+            profile = get_profile(name)
+        except ProfileError as e:  # names the file already
             raise PredictorError(str(e)) from None
+        try:
+            edges = profile.derived_bucket_edges()
+        except ProfileError as e:
+            raise PredictorError(f"{name}: {e}") from None
     else:
         try:
             edges = tuple(int(x) for x in spec.split(",") if x.strip())

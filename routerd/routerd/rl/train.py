@@ -223,6 +223,27 @@ def round_robin_e2e(profile, m: int, requests, prediction: str, seed: int) -> fl
     return summarize(run).e2e_mean
 
 
+def check_sample_indices(args: Args) -> None:
+    """Refuse a seed outside numpy's range, or one whose training, demonstration and
+    validation sample indices overlap (e.g. seed 90: training episode ``e`` is validation
+    sample ``e``; seed 100: demonstration ``i`` is validation sample ``i``)."""
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"seed must be in 0..2**32-1, got {args.seed}")
+    parts = {"training episodes": range(args.seed * 10_000, args.seed * 10_000 + args.episodes)}
+    if args.demo_policy:
+        start = DEMO_INDEX_BASE + args.seed * 1_000
+        parts["demonstrations"] = range(start, start + args.demo_episodes)
+    if args.select_samples:
+        parts["validation samples"] = range(SELECT_INDEX_BASE, SELECT_INDEX_BASE + args.select_samples)
+    names = list(parts)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            ra, rb = parts[a], parts[b]
+            if ra and rb and ra.start < rb.stop and rb.start < ra.stop:
+                raise ValueError(f"seed {args.seed}: the {a} (samples {ra.start}..{ra.stop - 1}) overlap the {b} "
+                                 f"(samples {rb.start}..{rb.stop - 1}) of the training part; use another seed")
+
+
 def train(args: Args, log: Callable[[str], None] = print, progress: bool = True) -> Path:
     """Train a Double DQN and write a checkpoint folder to ``args.output``; returns its path.
 
@@ -241,6 +262,10 @@ def train(args: Args, log: Callable[[str], None] = print, progress: bool = True)
         raise ValueError(f"pretrain_loss must be 'dqfd' or 'cross-entropy', got {args.pretrain_loss!r}")
     if not 0.0 <= args.demo_fraction < 1.0:
         raise ValueError(f"demo_fraction must be in [0, 1), got {args.demo_fraction}")
+    check_sample_indices(args)
+    # The held-out evaluation runs last: a held-out part too short for an episode must
+    # fail now, not after training with nothing saved.
+    splits.sample(args.workload, "eval", 0, args.requests_per_episode, args.rate, args.data_dir)
     t_start = time.perf_counter()
     random.seed(args.seed)
     np.random.seed(args.seed)
