@@ -22,24 +22,14 @@ import json
 import statistics
 
 from routerd.bench import pct, run_bench
-from routerd.policies.base import PolicyContext
-from routerd.policies.registry import DEFAULT_BENCH_POLICIES, build_policy
+from routerd.policies.registry import DEFAULT_BENCH_POLICIES
 from routerd.profiles import get_profile
 from routerd.rl.splits import window
-from routerd.sim import ClusterSimulator, prepare_requests
-from routerd.sim.report import summarize
+from routerd.sim.capacity import round_robin_capacity
 from routerd.workloads.registry import load_workload
 from routerd.workloads.traces import rescale_to_rate
 
 METRICS = ("e2e_mean", "e2e_p99", "ttft_mean", "tpot_mean", "makespan", "preemptions", "router_wait_mean")
-
-
-def capacity(requests, profile, m: int) -> float:
-    """Round robin's saturated throughput (req/s) on these requests."""
-    flood = rescale_to_rate(requests, 1000.0)
-    prep = prepare_requests(flood, profile)
-    run = ClusterSimulator(profile, m, build_policy("round_robin", None, PolicyContext(profile, m))).run(prep.requests)
-    return summarize(run).throughput_rps
 
 
 def setting(name: str, workload: str, profile_name: str, n: int, seeds: int, load: float, m: int, data_dir):
@@ -53,7 +43,7 @@ def setting(name: str, workload: str, profile_name: str, n: int, seeds: int, loa
             reqs = window(wl.requests, n * seed, n)
         else:
             reqs = load_workload(workload, n=n, rate=20.0, seed=seed, data_dir=data_dir).requests
-        rate = load * capacity(reqs, profile, m)
+        rate = load * round_robin_capacity(reqs, profile, m)
         rates.append(rate)
         reqs = rescale_to_rate(reqs, rate)
         bench = run_bench(reqs, profile, m, DEFAULT_BENCH_POLICIES, workload_name=workload, seed=seed)

@@ -63,11 +63,12 @@ from routerd.bench import pct
 from routerd.policies.base import PolicyContext
 from routerd.policies.dqn.checkpoint import CheckpointError, load_checkpoint
 from routerd.policies.dqn.policy import DQNPolicy
-from routerd.policies.registry import PolicyError, build_policy, build_policy_from_spec
+from routerd.policies.registry import PolicyError, build_policy_from_spec
 from routerd.profiles import ProfileError, get_profile
 from routerd.rl import splits
 from routerd.sim import ClusterSimulator, prepare_requests
 from routerd.sim.prepare import PredictionError, parse_prediction
+from routerd.sim.capacity import round_robin_capacity
 from routerd.sim.report import summarize
 from routerd.workloads.errors import WorkloadError
 from routerd.workloads.traces import rescale_to_rate
@@ -83,8 +84,6 @@ GENERATORS = splits.GENERATORS
 PAPER_RATE_PER_INSTANCE = 5.0
 """Offered req/s per instance of the paper's regime: 20 req/s on 4 V100s (arXiv 2408.13510 §6);
 8 instances get 40 req/s."""
-FLOOD_RATE = 1000.0
-"""Arrival rate (req/s) at which round robin's throughput is taken as capacity (policy_table.py)."""
 METRICS = ("e2e_mean", "e2e_p99", "makespan", "preemptions", "router_wait_mean")
 CHANGES = ("e2e_mean_change_pct", "makespan_change_pct")
 
@@ -137,14 +136,6 @@ def paired_change_pct(values: Sequence[float], base: Sequence[float]) -> list[fl
     if len(values) != len(base):
         raise ValueError(f"paired samples differ in length: {len(values)} vs {len(base)}")
     return [pct(v, b) for v, b in zip(values, base)]
-
-
-def capacity(requests, profile, m: int) -> float:
-    """Round robin's saturated throughput (req/s) on these requests, as benchmarks/policy_table.py
-    measures it: the requests offered at :data:`FLOOD_RATE`, finished requests / makespan."""
-    prep = prepare_requests(rescale_to_rate(requests, FLOOD_RATE), profile)
-    run = ClusterSimulator(profile, m, build_policy("round_robin", None, PolicyContext(profile, m))).run(prep.requests)
-    return summarize(run).throughput_rps
 
 
 def _split_list(text: str) -> list[str]:
@@ -276,7 +267,7 @@ def evaluate(a: argparse.Namespace, log=print) -> dict:
 
     def cap(workload: str, i: int, m: int) -> float:
         if (workload, i, m) not in caps:
-            caps[(workload, i, m)] = capacity(sample(workload, i, m), profile, m)
+            caps[(workload, i, m)] = round_robin_capacity(sample(workload, i, m), profile, m)
         return caps[(workload, i, m)]
 
     jobs = [(w, m) for w in a.settings for m in a.instances]

@@ -202,25 +202,27 @@ def large_margin_loss(q, actions, margin: float):
     return ((q + l).max(dim=1).values - q.gather(1, actions.unsqueeze(1)).squeeze(1)).mean()
 
 
+def simulate(profile, m: int, make_policy, requests, prediction: str, seed: int):
+    """Summary (:class:`routerd.sim.report.Summary`) of ``make_policy(PolicyContext)``
+    routing ``requests`` on ``m`` instances, predictions prepared with ``seed``."""
+    prep = prepare_requests(requests, profile, prediction=prediction, seed=seed)
+    return summarize(ClusterSimulator(profile, m, make_policy(PolicyContext(profile, m, seed=seed))).run(prep.requests))
+
+
 def greedy_e2e(weights, profile, m: int, args: Args, part: str, indices) -> float:
     """Mean E2E latency (s) of the greedy network over workload samples ``indices`` of ``part``."""
     from routerd.policies.dqn.policy import DQNPolicy
 
-    out = []
-    for i in indices:
-        reqs = splits.sample(args.workload, part, i, args.requests_per_episode, args.rate, args.data_dir)
-        prep = prepare_requests(reqs, profile, prediction=args.prediction, seed=i)
-        run = ClusterSimulator(profile, m, DQNPolicy(PolicyContext(profile, m, seed=i), weights=weights)).run(
-            prep.requests)
-        out.append(summarize(run).e2e_mean)
-    return statistics.mean(out)
+    return statistics.mean(
+        simulate(profile, m, lambda c: DQNPolicy(c, weights=weights),
+                 splits.sample(args.workload, part, i, args.requests_per_episode, args.rate, args.data_dir),
+                 args.prediction, i).e2e_mean
+        for i in indices)
 
 
 def round_robin_e2e(profile, m: int, requests, prediction: str, seed: int) -> float:
     """Mean E2E latency (s) of round robin on ``requests`` (the per-episode reference)."""
-    prep = prepare_requests(requests, profile, prediction=prediction, seed=seed)
-    run = ClusterSimulator(profile, m, RoundRobin(PolicyContext(profile, m))).run(prep.requests)
-    return summarize(run).e2e_mean
+    return simulate(profile, m, RoundRobin, requests, prediction, seed).e2e_mean
 
 
 def check_sample_indices(args: Args) -> None:
@@ -443,8 +445,7 @@ def evaluate_weights(weights, profile, m: int, args: Args) -> dict:
     from routerd.policies.registry import build_policy_from_spec
 
     def run(make, reqs, i):
-        prep = prepare_requests(reqs, profile, prediction=args.prediction, seed=i)
-        return summarize(ClusterSimulator(profile, m, make(PolicyContext(profile, m, seed=i))).run(prep.requests))
+        return simulate(profile, m, make, reqs, args.prediction, i)
 
     rows = []
     for i in range(args.eval_episodes):
