@@ -9,6 +9,8 @@ request for:
   chunks of 16, torch threads = ``--threads``;
 - ``fp32, one padded batch``: the same weights unoptimised (fp32, all 64 padded to the
   longest) — the ratio served/unoptimised is printed;
+- for a model with an n-gram part (``blend`` in its metadata): each part alone, the
+  transformer (n-gram weight 0) and the n-gram model (weight 1); ``served`` is the blend;
 - ``MiniLM-L6 fp32`` (``--full``): the untruncated 6-layer encoder at the same input
   length, the closest stand-in for the paper's DistilBERT (0.8 s per batch of 64 on CPU).
 
@@ -98,6 +100,14 @@ def main() -> None:
         print(f"served (int8, length-sorted chunks of 16): {t_served:.2f} ms/request wall, {c_served:.2f} ms CPU")
         print(f"unoptimised (fp32, one padded batch):      {t_plain:.2f} ms/request wall, {c_plain:.2f} ms CPU")
         print(f"speed-up served vs unoptimised:            {t_plain / t_served:.2f}x")
+        if served.ngram is not None:
+            w = served.ngram_weight
+            for label, part in (("transformer part alone", 0.0), ("n-gram part alone", 1.0)):
+                served.ngram_weight = part
+                tw, tc = time_per_request(served, batch, args.repeats)
+                print(f"{label + ':':43s}{tw:.2f} ms/request wall, {tc:.2f} ms CPU")
+            served.ngram_weight = w
+            print(f"(served blends them with n-gram weight {w:g})")
         if args.full:
             full = build_untrained(6, served.max_length, Path(tmp) / "full")
             p6 = HFPredictor.load(full, quantize=False, threads=args.threads, hint="true", chunk=64)

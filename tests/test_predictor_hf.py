@@ -143,3 +143,53 @@ def test_small_form_on_shared_data(tmp_path):
     assert meta["classes"] in (2, 3, 4) and len(meta["tasks"]) >= 2
     assert 0.0 <= meta["metrics"]["test"]["hint_true"]["accuracy"] <= 1.0
     assert np.isfinite(meta["train_seconds"])
+
+
+def test_blend_is_the_weighted_mean_of_its_parts(tiny_model):
+    from routerd.predictor.hf import HFPredictor
+
+    out, _ = tiny_model
+    meta = json.loads((out / "predictor.json").read_text())
+    blend = meta["blend"]
+    acc = blend["val_accuracy_by_weight"]
+    assert list(acc) == [f"{k / 10:.1f}" for k in range(11)]
+    assert acc[f"{blend['ngram_weight']:.1f}"] == max(acc.values())  # chosen on validation
+    assert {"hint_true_transformer_alone", "hint_true_ngram_alone"} <= set(meta["metrics"]["test"])
+    pred = HFPredictor.load(out, hint="true")
+    w = pred.ngram_weight
+    assert w == blend["ngram_weight"]
+    batch = [("Please give a long detailed essay about topic 7.", 12, "toy:qa"), ("", 0, None),
+             ("short answer now", 3, "toy:essay")]
+    p = pred.predict_proba(batch)
+    pred.ngram_weight = 0.0
+    p_t = pred.predict_proba(batch)
+    pred.ngram_weight = 1.0
+    p_n = pred.predict_proba(batch)
+    assert np.allclose(p, (1 - w) * p_t + w * p_n, atol=1e-12)
+    assert np.array_equal(p_n, pred.ngram.predict_proba([b[0] for b in batch], [b[1] for b in batch],
+                                                        [b[2] for b in batch]))
+    assert np.allclose(p_t.sum(axis=1), 1.0) and p.shape == (3, 2)
+
+
+def test_bad_blend_metadata_is_a_clear_error(tiny_model, tmp_path):
+    import shutil
+
+    from routerd.predictor.hf import HFPredictor
+
+    out, _ = tiny_model
+    dst = tmp_path / "m"
+    shutil.copytree(out, dst)
+    meta = json.loads((dst / "predictor.json").read_text())
+    meta["blend"]["ngram_weight"] = 1.5
+    (dst / "predictor.json").write_text(json.dumps(meta))
+    with pytest.raises(PredictorError, match="blend weight 1.5"):
+        HFPredictor.load(dst)
+    meta["blend"] = {"ngram": "ngram"}
+    (dst / "predictor.json").write_text(json.dumps(meta))
+    with pytest.raises(PredictorError, match="bad 'blend' entry"):
+        HFPredictor.load(dst)
+    meta["blend"] = {"ngram": "ngram", "ngram_weight": 0.5}
+    (dst / "predictor.json").write_text(json.dumps(meta))
+    shutil.rmtree(dst / "ngram")
+    with pytest.raises(PredictorError, match="ngram.json"):
+        HFPredictor.load(dst)

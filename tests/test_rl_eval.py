@@ -197,3 +197,39 @@ def test_makespan_bound_is_below_the_simulated_makespan_with_prefill_attention(c
     assert bound <= makespan + 1e-9
     # and it is the least work: 1-token chunks give sum_k k = p (p + 1) / 2; unchunked p^2
     assert bound == pytest.approx(1e-3 * (256 * 257 / 2 if chunked else 256 * 256))
+
+
+def test_makespan_bound_by_kv_share_by_hand_and_below_simulated_runs():
+    # Overhead only (a = 0.01 s), KV capacity 1024 tokens, 8 slots. One request, p = 40,
+    # o = 11: ten decode steps with contexts 41..50 (sum 455). Charged by slot:
+    # 10 * 0.01 / 8 = 0.0125 s; by KV share: 0.01 * 455 / (1024 + 8) = 0.0044089 s.
+    from conftest import toy_profile
+    from routerd.model import Request
+    from routerd.policies.base import PolicyContext as Ctx
+    from routerd.policies.registry import build_policy_from_spec
+    from routerd.sim import ClusterSimulator, prepare_requests
+    from routerd.sim.report import summarize
+
+    mb = _makespan_bound_module()
+    prof = toy_profile(prefill_per_token_s=0.0, decode_per_seq_s=0.0, decode_per_ctx_token_s=0.0)
+    one = prepare_requests([Request(id=0, arrival_s=0.0, prompt_tokens=40, output_tokens=11)], prof).requests
+    assert mb.makespan_lower_bound(prof, 1, one, overhead_by_kv=False) == pytest.approx(0.0125)
+    assert mb.makespan_lower_bound(prof, 1, one, overhead_by_kv=True) == pytest.approx(0.01 * 455 / 1032)
+    assert mb.makespan_lower_bound(prof, 1, one) == pytest.approx(0.0125)
+
+    # Long contexts fill the 1024-token cache long before the 8 slots: the KV charge binds,
+    # and it stays below what any policy reaches in the simulator (full profile costs).
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    prof = toy_profile(max_model_len=512, max_num_batched_tokens=512)
+    reqs = [Request(id=i, arrival_s=0.01 * i, prompt_tokens=int(rng.integers(150, 250)),
+                    output_tokens=int(rng.integers(5, 24))) for i in range(120)]
+    prep = prepare_requests(reqs, prof).requests
+    by_slot = mb.makespan_lower_bound(prof, 2, prep, overhead_by_kv=False)
+    by_kv = mb.makespan_lower_bound(prof, 2, prep, overhead_by_kv=True)
+    assert by_kv > by_slot
+    for spec in ("round_robin", "late_binding", "join_shortest_queue"):
+        policy = build_policy_from_spec(spec, Ctx(prof, 2, seed=0))
+        makespan = summarize(ClusterSimulator(prof, 2, policy).run(prepare_requests(reqs, prof).requests)).makespan
+        assert by_kv <= makespan

@@ -9,7 +9,9 @@ Compares, on one split of the seeded stratified split (:func:`routerd.predictor.
   variant, arXiv 2408.13510 A.12);
 - ``transformer, no hint`` / ``, predicted hint`` / ``, true hint``: the saved model
   without a task, with the task model's guess, with the true task (the paper's Table 1
-  with and without the task hint).
+  with and without the task hint). A model with an n-gram part (:mod:`.ngram`) is
+  named ``transformer + n-gram (w=...)``, with two more rows under the true hint:
+  ``transformer alone`` and ``n-gram alone``.
 
 Baselines are fitted on the whole training split; the transformer is evaluated as
 served (int8). "overall" weights every row equally; "task-balanced" is the mean of the
@@ -134,18 +136,23 @@ def evaluate(
               "bucket_counts": np.bincount(y, minlength=nb).tolist(), "results": results,
               "model": str(model_dir) if model_dir else None}
     if pred is not None:
-        modes = [("transformer, no hint", "none")]
+        served = pred.ngram_weight
+        name = "transformer" if pred.ngram is None else f"transformer + n-gram (w={served:g})"
+        modes = [(f"{name}, no hint", "none", served)]
         if pred.task_model is not None:
-            modes.append(("transformer, predicted hint", "predicted"))
-        modes.append(("transformer, true hint", "true"))
-        for label, mode in modes:
+            modes.append((f"{name}, predicted hint", "predicted", served))
+        modes.append((f"{name}, true hint", "true", served))
+        if pred.ngram is not None:
+            modes += [("transformer alone, true hint", "true", 0.0), ("n-gram alone, true hint", "true", 1.0)]
+        for label, mode, weight in modes:
             if progress:
                 progress(label)
-            pred.hint = mode
+            pred.hint, pred.ngram_weight = mode, weight
             out: list[int] = []
             for k in range(0, len(batch), batch_size):
                 out.extend(pred.predict(batch[k: k + batch_size]))
             results[label] = grouped(eval_rows, y, np.array(out), nb)
+        pred.ngram_weight = served
         if pred.task_model is not None:
             guessed: list[str] = []
             for k in range(0, len(batch), batch_size):

@@ -16,6 +16,12 @@ A long prompt keeps its head and its tail (the instruction is often at the end, 
 "summarize the text above"); text is cut to a few characters per token *before*
 tokenizing, so a 1 MB prompt costs no more than a short one.
 
+A predictor folder may also hold an n-gram model (``ngram/``, :mod:`.ngram`) and a blend
+weight in its metadata (``blend.ngram_weight``, chosen on validation by
+:mod:`routerd.predictor.train`). The served class probabilities are then
+``(1 - w) * softmax(transformer logits) + w * n-gram probabilities``, both given the same
+task hint.
+
 torch and transformers are imported inside functions: importing this module needs
 neither. Model loading sets ``HF_HUB_OFFLINE=1`` and ``TRANSFORMERS_OFFLINE=1`` and
 passes ``local_files_only=True``: nothing is ever downloaded.
@@ -204,7 +210,7 @@ def run_model(model, tokenizer, ids: Sequence[Sequence[int]], *, chunk: int = 16
 
 
 class HFPredictor:
-    """The saved transformer predictor: bucket model, optional task model, metadata.
+    """The saved transformer predictor: bucket model, optional task model and n-gram model, metadata.
 
     Args of :meth:`load`: ``path`` a folder written by ``phasewise predictor train``;
     ``quantize`` applies dynamic int8 to the Linear layers (default, what the speed
@@ -216,7 +222,8 @@ class HFPredictor:
 
     HINT_MODES = ("auto", "true", "predicted", "none")
 
-    def __init__(self, path: Path, meta: dict, tok, bucket_model, task_model, hint: str, chunk: int):
+    def __init__(self, path: Path, meta: dict, tok, bucket_model, task_model, hint: str, chunk: int,
+                 ngram=None, ngram_weight: float = 0.0):
         self.path = path
         self.meta = meta
         self.edges = check_edges(meta["edges"])
@@ -232,6 +239,11 @@ class HFPredictor:
             raise PredictorError(f"{path}: hint mode 'predicted' but the model has no task classifier")
         self.hint = hint
         self.chunk = chunk
+        self.ngram = ngram
+        if not 0.0 <= ngram_weight <= 1.0 or (ngram is None and ngram_weight > 0):
+            raise PredictorError(f"{path}: n-gram blend weight {ngram_weight!r} must lie in 0..1, "
+                                 "and be 0 without an n-gram model")
+        self.ngram_weight = float(ngram_weight)
         self.name = f"transformer[{hint}]"
         self.unknown_tasks = 0
         """Requests seen with a task label outside :attr:`tasks` (treated as no task)."""
@@ -274,9 +286,24 @@ class HFPredictor:
         if quantize:
             bucket = quantize_int8(bucket)
             task_model = quantize_int8(task_model) if task_model is not None else None
-        return cls(path, meta, tok, bucket, task_model, hint, chunk)
+        ngram, weight = None, 0.0
+        blend = meta.get("blend")
+        if blend is not None:
+            from .ngram import NgramModel
 
-    def _clean(self, batch: Sequence[Item]) -> tuple[list[str], list[int], list[str | None]]:
+            try:
+                weight = float(blend["ngram_weight"])
+                folder = path / str(blend["ngram"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise PredictorError(f"{meta_path}: bad 'blend' entry ({type(e).__name__}: {e})") from None
+            ngram = NgramModel.load(folder)
+            if ngram.classes != bucket.config.num_labels:
+                raise PredictorError(f"{folder}: the n-gram model has {ngram.classes} classes, "
+                                     f"the transformer {bucket.config.num_labels}")
+        return cls(path, meta, tok, bucket, task_model, hint, chunk, ngram, weight)
+
+    def _clean(self, batch: Sequence[Item]) -> tuple[list[str], list[int], list[str | None], list[object]]:
+        """(cut texts for the transformer, token counts, known tasks or None, the prompts as given)."""
         prompts, tokens, tasks = unpack(batch)
         max_chars = 2 * CHARS_PER_TOKEN * self.max_length
         texts = [clean_prompt(p, max_chars=None) for p in prompts]
@@ -284,13 +311,13 @@ class HFPredictor:
         texts = [t if len(t) <= max_chars else t[: max_chars // 2] + " " + t[-max_chars // 2:] for t in texts]
         known = [clean_task(t, self.tasks) for t in tasks]
         self.unknown_tasks += sum(1 for t, k in zip(tasks, known) if t is not None and k is None)
-        return texts, tokens, known
+        return texts, tokens, known, prompts
 
     def predict_tasks(self, batch: Sequence[Item]) -> list[str]:
         """The task model's label for each item (its ``task`` field is ignored)."""
         if self.task_model is None:
             raise PredictorError(f"{self.path}: the model has no task classifier")
-        texts, tokens, _ = self._clean(batch)
+        texts, tokens, _, _ = self._clean(batch)
         return self._tasks(texts, tokens)
 
     def _tasks(self, texts: list[str], tokens: list[int]) -> list[str]:
@@ -317,13 +344,29 @@ class HFPredictor:
                 out[i] = g
         return out
 
+    def predict_proba(self, batch: Sequence[Item]):
+        """Class probabilities, float64 numpy array of shape (len(batch), classes); see the class doc."""
+        import numpy as np
+
+        texts, tokens, known, raw = self._clean(batch)
+        if not texts:
+            return np.zeros((0, self.bucket_model.config.num_labels))
+        tasks = self.hints_for(texts, tokens, known)
+        w = self.ngram_weight
+        p = 0.0
+        if w < 1.0:
+            hints = [format_hint(t, n, use_length=self.use_length) for t, n in zip(tasks, tokens)]
+            logits = run_model(self.bucket_model, self.tokenizer,
+                               encode(self.tokenizer, hints, texts, self.max_length), chunk=self.chunk)
+            z = logits.astype(np.float64)
+            z -= z.max(axis=1, keepdims=True)
+            p = np.exp(z)
+            p /= p.sum(axis=1, keepdims=True)
+        if w > 0.0:
+            q = self.ngram.predict_proba([clean_prompt(x, max_chars=self.ngram.max_chars) for x in raw], tokens, tasks)
+            p = q if w == 1.0 else (1.0 - w) * p + w * q
+        return p
+
     def predict(self, batch: Sequence[Item]) -> list[int]:
         """Bucket of each item (never above the model's last class; see ``meta['classes']``)."""
-        texts, tokens, known = self._clean(batch)
-        if not texts:
-            return []
-        tasks = self.hints_for(texts, tokens, known)
-        hints = [format_hint(t, n, use_length=self.use_length) for t, n in zip(tasks, tokens)]
-        logits = run_model(self.bucket_model, self.tokenizer, encode(self.tokenizer, hints, texts, self.max_length),
-                           chunk=self.chunk)
-        return [int(i) for i in logits.argmax(axis=1)]
+        return [int(i) for i in self.predict_proba(batch).argmax(axis=1)]

@@ -34,6 +34,13 @@ routerd.predictor.train --out DIR``). What happens, in order:
    split seed, counts), arguments, validation and test metrics of the int8 model as
    served (test is measured once, after every choice was made on validation).
 
+7. **n-gram model and blend.** A word 1-2-gram TF-IDF + task + length logistic
+   regression (:mod:`routerd.predictor.ngram`) is fitted on the whole training split
+   (``Args.ngram_max_train_per_task`` caps it; the small form keeps 40 rows per task),
+   with the same task dropout. Its share of the
+   blended class probabilities is the grid weight 0, 0.1, .., 1 with the best validation
+   accuracy (true task hint, int8 transformer as served); ``--no-ngram`` leaves it out.
+
 Measured (this machine: 2 cores shared with other jobs, load average 2-4, 1 torch
 thread, defaults): ``python -m routerd.predictor.cli train --out DIR`` took 14 min 16 s
 wall (769 s training, 845 s with the final val/test evaluation); test accuracy 82.0%
@@ -111,6 +118,14 @@ class Args:
     """Also fine-tune the word-embedding matrix (11.7M of the 2-layer model's 15M weights)."""
     max_minutes: float | None = None
     """Stop training (not evaluation) after this many minutes."""
+    ngram: bool = True
+    """Fit the n-gram model and blend it with the transformer (step 6)."""
+    ngram_c: float = 1.0
+    """Inverse L2 strength of the n-gram logistic regression."""
+    ngram_max_features: int = 300_000
+    """Most TF-IDF terms the n-gram model keeps (the most frequent ones)."""
+    ngram_max_train_per_task: int | None = None
+    """Cap on the n-gram model's training rows per task (None: the whole training split)."""
     skip_test: bool = False
     """Do not measure the test split at the end."""
     log: bool = True
@@ -122,7 +137,7 @@ def small_args(out: str, **kw) -> Args:
     """The CI small form: tiny caps, one layer, short inputs, one epoch (well under 3 minutes)."""
     a = Args(out=out, layers=1, task_layers=1, max_length=32, epochs=1, task_epochs=1,
              max_train_per_task=40, cap_min_purity=0.0, max_eval_per_task=20, batch_size=16, lr=3e-4,
-             min_class_rows=5)
+             min_class_rows=5, ngram_max_train_per_task=40)
     for k, v in kw.items():
         setattr(a, k, v)
     return a
@@ -361,6 +376,11 @@ def train(args: Args) -> Path:
     }
     (out / H.META_FILE).write_text(json.dumps(meta, indent=2))
 
+    # ---- 7. n-gram model and blend weight (chosen on validation only)
+    if args.ngram:
+        meta["blend"] = fit_blend(args, rows, split["train"], val_idx, all_labels, y_all, n_classes, out)
+        (out / H.META_FILE).write_text(json.dumps(meta, indent=2))
+
     # ---- evaluation of the model as served (int8), validation then test
     pred = H.HFPredictor.load(out, threads=args.threads)
     for name, idx in (("val", val_idx), ("test", test_idx)):
@@ -371,6 +391,12 @@ def train(args: Args) -> Path:
         for mode in ("true", "none") + (("predicted",) if task_model is not None else ()):
             pred.hint = mode
             m[f"hint_{mode}"] = metrics(all_labels[idx], np.array(pred.predict(batch)), len(edges) + 1)
+        if pred.ngram is not None:
+            pred.hint, served = "true", pred.ngram_weight
+            for part, w in (("transformer_alone", 0.0), ("ngram_alone", 1.0)):
+                pred.ngram_weight = w
+                m[f"hint_true_{part}"] = metrics(all_labels[idx], np.array(pred.predict(batch)), len(edges) + 1)
+            pred.ngram_weight = served
         if task_model is not None:
             guessed = pred.predict_tasks(batch)
             m["task_accuracy"] = float(np.mean([g == rows[i].task for g, i in zip(guessed, idx)]))
@@ -380,6 +406,40 @@ def train(args: Args) -> Path:
     (out / H.META_FILE).write_text(json.dumps(meta, indent=2))
     log(args, f"saved to {out} ({train_seconds:.0f} s training, {time.perf_counter() - t_start:.0f} s total)")
     return out
+
+
+def fit_blend(args: Args, rows, train_split: np.ndarray, val_idx: np.ndarray, all_labels: np.ndarray,
+              y_all: np.ndarray, n_classes: int, out: Path) -> dict:
+    """Fit the n-gram model into ``out/ngram`` and choose its blend weight on validation.
+
+    The weight is the grid value (0, 0.1, .., 1) with the best validation accuracy of
+    ``(1 - w) * transformer + w * n-gram`` class probabilities, true task hint, the
+    transformer loaded from ``out`` as served (int8). Ties go to the weight nearest 0.5.
+    Returns the metadata entry ``{"ngram", "ngram_weight", ...}``.
+    """
+    from .ngram import NgramModel
+
+    t0 = time.perf_counter()
+    idx = D.cap_per_task(rows, train_split, args.ngram_max_train_per_task, seed=args.seed)
+    ng = NgramModel.fit([rows[i].prompt for i in idx], [rows[i].prompt_tokens for i in idx],
+                        [rows[i].task for i in idx], y_all[idx], classes=n_classes, C=args.ngram_c,
+                        max_features=args.ngram_max_features, task_dropout=args.hint_dropout, seed=args.seed)
+    ng.save(out / "ngram")
+    fit_s = time.perf_counter() - t0
+    pred = H.HFPredictor.load(out, threads=args.threads, hint="true")
+    batch = [(rows[i].prompt, rows[i].prompt_tokens, rows[i].task) for i in val_idx]
+    p_t = pred.predict_proba(batch)
+    p_n = ng.predict_proba([H.clean_prompt(rows[i].prompt, max_chars=ng.max_chars) for i in val_idx],
+                           [rows[i].prompt_tokens for i in val_idx], [rows[i].task for i in val_idx])
+    y = all_labels[val_idx]
+    acc = {k / 10: float((((1 - k / 10) * p_t + (k / 10) * p_n).argmax(axis=1) == y).mean()) for k in range(11)}
+    best = max(acc, key=lambda w: (acc[w], -abs(w - 0.5)))
+    log(args, f"n-gram model: {len(idx)} rows, {len(ng.vectorizer.vocabulary_)} terms, {fit_s:.0f} s; "
+              f"validation accuracy by n-gram weight {[round(a, 4) for a in acc.values()]}, chose {best}")
+    return {"ngram": "ngram", "ngram_weight": best, "chosen_on": "validation accuracy, true task hint",
+            "val_accuracy_by_weight": {f"{w:.1f}": a for w, a in acc.items()}, "ngram_train_rows": len(idx),
+            "ngram_terms": len(ng.vectorizer.vocabulary_), "ngram_fit_seconds": round(fit_s, 1),
+            "ngram_settings": ng.settings}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -412,6 +472,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-embeddings", action="store_true", help="also fine-tune the word embeddings")
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this many minutes")
     p.add_argument("--skip-test", action="store_true")
+    p.add_argument("--no-ngram", action="store_true", help="no n-gram model: the transformer alone")
+    p.add_argument("--ngram-c", type=float, default=d.ngram_c, help="n-gram logistic regression: inverse L2 strength")
+    p.add_argument("--ngram-max-features", type=int, default=d.ngram_max_features, help="n-gram TF-IDF terms kept")
     p.add_argument("--small", action="store_true", help="the CI small form (tiny data, ~1 minute)")
     p.add_argument("--quiet", action="store_true")
 
@@ -436,6 +499,9 @@ def args_from_namespace(ns: argparse.Namespace) -> Args:
     a.class_weight_power = ns.class_weight_power
     a.train_embeddings = ns.train_embeddings
     a.threads, a.max_minutes, a.skip_test, a.log = ns.threads, ns.max_minutes, ns.skip_test, not ns.quiet
+    a.ngram, a.ngram_c, a.ngram_max_features = not ns.no_ngram, ns.ngram_c, ns.ngram_max_features
+    if not a.ngram_c > 0 or a.ngram_max_features < 1:
+        raise PredictorError("--ngram-c must be > 0 and --ngram-max-features >= 1")
     if not 0.0 <= a.hint_dropout <= 1.0:
         raise PredictorError(f"--hint-dropout must be in [0, 1], got {a.hint_dropout}")
     if a.epochs < 1 or a.task_epochs < 1 or a.batch_size < 1 or not a.lr > 0:
