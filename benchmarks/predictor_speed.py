@@ -10,7 +10,10 @@ request for:
 - ``fp32, one padded batch``: the same weights unoptimised (fp32, all 64 padded to the
   longest) — the ratio served/unoptimised is printed;
 - for a model with an n-gram part (``blend`` in its metadata): each part alone, the
-  transformer (n-gram weight 0) and the n-gram model (weight 1); ``served`` is the blend;
+  transformer (n-gram weight 0) and the n-gram model (weight 1), and the blend with the
+  transformer run on every request; ``served`` is the blend as shipped, where requests
+  the n-gram model is confident about skip the transformer (the share is printed: it
+  depends on the prompts, so ``--dataset`` times one dataset's prompts alone);
 - ``MiniLM-L6 fp32`` (``--full``): the untruncated 6-layer encoder at the same input
   length, the closest stand-in for the paper's DistilBERT (0.8 s per batch of 64 on CPU).
 
@@ -45,11 +48,16 @@ def build_untrained(layers: int, max_length: int, out: Path) -> Path:
     return out
 
 
-def prompts(n: int, data_dir: str | None) -> list[tuple]:
+def prompts(n: int, data_dir: str | None, dataset: str | None = None) -> list[tuple]:
     from routerd.predictor import data as D
 
     rows = D.load_rows(data_dir)
     test = D.split_rows(rows, seed=0)["test"]
+    if dataset is not None:
+        test = [i for i in test if rows[int(i)].dataset == dataset]
+        if not test:
+            raise SystemExit(f"predictor_speed: no test rows of dataset {dataset!r}; "
+                             f"known: {', '.join(sorted({r.dataset for r in rows}))}")
     # Every 1/n-th test row, so all tasks and lengths appear (the split is sorted by task).
     step = max(1, len(test) // n)
     pick = [rows[int(i)] for i in test[::step][:n]]
@@ -82,12 +90,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--full", action="store_true", help="also time the untruncated 6-layer MiniLM (slow)")
     ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--dataset", default=None, help="time only this dataset's test prompts (e.g. sharegpt_v3_partial)")
     args = ap.parse_args()
 
     os.environ["PHASEWISE_TORCH_THREADS"] = str(args.threads)
     from routerd.predictor.hf import HFPredictor
 
-    batch = prompts(args.n, args.data_dir)
+    batch = prompts(args.n, args.data_dir, args.dataset)
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else build_untrained(args.layers, args.max_length, Path(tmp) / "m")
         served = HFPredictor.load(model, quantize=True, threads=args.threads, hint="true", chunk=16)
@@ -95,19 +104,27 @@ def main() -> None:
         layers = served.bucket_model.config.num_hidden_layers
         t_served, c_served = time_per_request(served, batch, args.repeats)
         t_plain, c_plain = time_per_request(plain, batch, args.repeats)
-        print(f"{len(batch)} held-out prompts, batches of 64, {args.threads} torch thread(s), "
+        print(f"{len(batch)} held-out prompts{' of ' + args.dataset if args.dataset else ''}, batches of 64, {args.threads} torch thread(s), "
               f"{layers} layer(s), max {served.max_length} tokens, task hint given")
         print(f"served (int8, length-sorted chunks of 16): {t_served:.2f} ms/request wall, {c_served:.2f} ms CPU")
         print(f"unoptimised (fp32, one padded batch):      {t_plain:.2f} ms/request wall, {c_plain:.2f} ms CPU")
         print(f"speed-up served vs unoptimised:            {t_plain / t_served:.2f}x")
         if served.ngram is not None:
-            w = served.ngram_weight
-            for label, part in (("transformer part alone", 0.0), ("n-gram part alone", 1.0)):
-                served.ngram_weight = part
+            w, skip = served.ngram_weight, served.skip_above
+            for label, part, sk in (("transformer part alone", 0.0, None), ("n-gram part alone", 1.0, None),
+                                    ("blend, transformer on every request", w, None)):
+                served.ngram_weight, served.skip_above = part, sk
                 tw, tc = time_per_request(served, batch, args.repeats)
                 print(f"{label + ':':43s}{tw:.2f} ms/request wall, {tc:.2f} ms CPU")
-            served.ngram_weight = w
-            print(f"(served blends them with n-gram weight {w:g})")
+            served.ngram_weight, served.skip_above = w, skip
+            if skip is not None and 0 < w < 1:
+                conf = served.ngram.predict_proba([p for p, _, _ in batch], [n for _, n, _ in batch],
+                                                  [t for _, _, t in batch]).max(axis=1)
+                share = f"; {float((conf >= skip).mean()):.1%} of these requests skip the transformer"
+            else:
+                share = ""
+            print(f"(served blends them with n-gram weight {w:g}, transformer skipped at n-gram "
+                  f"confidence >= {skip}{share})")
         if args.full:
             full = build_untrained(6, served.max_length, Path(tmp) / "full")
             p6 = HFPredictor.load(full, quantize=False, threads=args.threads, hint="true", chunk=64)

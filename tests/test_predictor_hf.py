@@ -160,12 +160,37 @@ def test_blend_is_the_weighted_mean_of_its_parts(tiny_model):
     assert w == blend["ngram_weight"]
     batch = [("Please give a long detailed essay about topic 7.", 12, "toy:qa"), ("", 0, None),
              ("short answer now", 3, "toy:essay")]
+    served = pred.predict_proba(batch)
+    skip = pred.skip_above
+    pred.skip_above = None
     p = pred.predict_proba(batch)
     pred.ngram_weight = 0.0
     p_t = pred.predict_proba(batch)
     pred.ngram_weight = 1.0
     p_n = pred.predict_proba(batch)
     assert np.allclose(p, (1 - w) * p_t + w * p_n, atol=1e-12)
+    # The cascade: where the n-gram model is confident, its probabilities alone.
+    if 0 < w < 1:
+        assert skip == blend["skip_transformer_above"]
+        by_th = blend["val_accuracy_by_skip_threshold"]
+        if skip is not None:
+            assert by_th[f"{skip:.2f}"] >= acc[f"{w:.1f}"]  # no validation loss
+            assert all(a < acc[f"{w:.1f}"] for th, a in by_th.items() if float(th) < skip)
+            conf = p_n.max(axis=1) >= skip
+            assert np.allclose(served[conf], p_n[conf], atol=1e-12)
+            # int8 dynamic quantization scales activations per batch, so the transformer's
+            # output on a subset differs from the full batch's in the third decimal.
+            assert np.allclose(served[~conf], p[~conf], atol=5e-3)
+    else:
+        assert skip is None and np.allclose(served, p, atol=1e-12)
+    # The same cascade by hand on a forced threshold: the middle row (an empty prompt) is
+    # the least confident n-gram case here.
+    pred.ngram_weight, pred.skip_above = 0.5, float(np.sort(p_n.max(axis=1))[1])
+    forced = pred.predict_proba(batch)
+    conf = p_n.max(axis=1) >= pred.skip_above
+    half = 0.5 * p_t + 0.5 * p_n
+    assert np.allclose(forced[conf], p_n[conf], atol=1e-12)
+    assert np.allclose(forced[~conf], half[~conf], atol=5e-3) and not np.allclose(forced[~conf], p_n[~conf])
     assert np.array_equal(p_n, pred.ngram.predict_proba([b[0] for b in batch], [b[1] for b in batch],
                                                         [b[2] for b in batch]))
     assert np.allclose(p_t.sum(axis=1), 1.0) and p.shape == (3, 2)
@@ -193,3 +218,28 @@ def test_bad_blend_metadata_is_a_clear_error(tiny_model, tmp_path):
     shutil.rmtree(dst / "ngram")
     with pytest.raises(PredictorError, match="ngram.json"):
         HFPredictor.load(dst)
+
+
+def test_auto_hint_leaves_a_missing_task_out_when_guesses_did_worse_on_validation(tiny_model, tmp_path):
+    import shutil
+
+    from routerd.predictor.hf import HFPredictor
+
+    out, _ = tiny_model
+    batch = [("Please give a long detailed essay about topic 5.", 12, None), ("short answer", 3, "toy:qa")]
+    for guess_better, expected_hint in ((True, "predicted"), (False, "none")):
+        dst = tmp_path / f"m{guess_better}"
+        shutil.copytree(out, dst)
+        meta = json.loads((dst / "predictor.json").read_text())
+        meta["metrics"]["val"]["hint_predicted"]["accuracy"] = 0.9 if guess_better else 0.1
+        meta["metrics"]["val"]["hint_none"]["accuracy"] = 0.5
+        (dst / "predictor.json").write_text(json.dumps(meta))
+        auto = HFPredictor.load(dst, hint="auto")
+        assert auto.guess_missing_task is guess_better
+        texts, tokens, known, _ = auto._clean(batch)
+        used = auto.hints_for(texts, tokens, known)
+        assert used[1] == "toy:qa"  # a known task is always used
+        ref = HFPredictor.load(dst, hint=expected_hint)
+        assert used[0] == ref.hints_for(texts, tokens, [None, None])[0]
+        if not guess_better:
+            assert used[0] is None

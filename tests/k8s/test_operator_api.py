@@ -274,8 +274,10 @@ def test_status_follows_the_instances(k8s, kube, operator, namespace, kcm):
                           and condition(o, "Ready")["status"] == "True" else None)(pool(kube, namespace, "st")),
                  timeout=30, what="readyInstances 2 and Ready")
     assert condition(p, "Ready")["reason"] == "Ready"
-    eps = wait_for(lambda: (pool(kube, namespace, "st")["status"].get("endpoints") or None), timeout=20,
-                   what="status.endpoints")
+    # readyInstances comes from the Deployment, endpoints from EndpointSlices, which the
+    # endpointslice controller updates later: wait for both Pods to appear there.
+    eps = wait_for(lambda: (lambda e: e if len(e) == 2 else None)(pool(kube, namespace, "st")["status"].get("endpoints")
+                                                                   or []), timeout=30, what="2 status.endpoints")
     assert len(eps) == 2 and all(e["url"].startswith("http://10.244.0.") and e["url"].endswith(":8000") for e in eps)
     assert all(e["stateAddress"].endswith(":50051") for e in eps)
 

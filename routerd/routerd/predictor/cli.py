@@ -24,11 +24,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "predictor",
         help="train, evaluate or run the response-length (bucket) predictor",
         description="Output-length bucket predictor (arXiv 2408.13510 §5.1): a MiniLM classifier with a task "
-                    "hint, a task classifier, and baselines.",
+                    "hint blended with a word n-gram model, a task classifier, and baselines.",
     )
     sub = p.add_subparsers(dest="predictor_command", required=True)
 
-    t = sub.add_parser("train", help="fine-tune the bucket and task classifiers and save them",
+    t = sub.add_parser("train", help="fine-tune the bucket and task classifiers, fit the n-gram model, save them",
                        description="Train on shared/data/prompts (seeded stratified split) and save with "
                                    "save_pretrained plus predictor.json. Needs the 'predictor' extra.")
     add_arguments(t)

@@ -40,12 +40,15 @@ routerd.predictor.train --out DIR``). What happens, in order:
    with the same task dropout. Its share of the
    blended class probabilities is the grid weight 0, 0.1, .., 1 with the best validation
    accuracy (true task hint, int8 transformer as served); ``--no-ngram`` leaves it out.
+   Requests the n-gram model is confident about skip the transformer: the threshold is
+   the lowest top-class probability at which that loses no validation accuracy.
 
-Measured (this machine: 2 cores shared with other jobs, load average 2-4, 1 torch
-thread, defaults): ``python -m routerd.predictor.cli train --out DIR`` took 14 min 16 s
-wall (769 s training, 845 s with the final val/test evaluation); test accuracy 82.0%
-with the true task hint, 78.0% without, task classifier 70.0%. The CI small form
-(``--small``) takes ~35 s. Full report: ``benchmarks/predictor_report.py``.
+Measured (this machine, 2 cores, idle, 1 torch thread, defaults, 2026-11-30):
+``phasewise predictor train --out DIR`` took 12 min 40 s wall (599 s training, of which
+73 s fit the n-gram model; 751 s with the final val/test evaluation). Test accuracy
+84.4% with the true task hint (validation 85.1%), 81.7% without; the transformer alone
+82.0%, the n-gram model alone 84.8%; task classifier 70.0%. The CI small form
+(``--small``) takes about a minute. Full report: ``benchmarks/predictor_report.py``.
 """
 
 from __future__ import annotations
@@ -392,11 +395,12 @@ def train(args: Args) -> Path:
             pred.hint = mode
             m[f"hint_{mode}"] = metrics(all_labels[idx], np.array(pred.predict(batch)), len(edges) + 1)
         if pred.ngram is not None:
-            pred.hint, served = "true", pred.ngram_weight
-            for part, w in (("transformer_alone", 0.0), ("ngram_alone", 1.0)):
-                pred.ngram_weight = w
+            pred.hint, served, skip = "true", pred.ngram_weight, pred.skip_above
+            for part, w, sk in (("transformer_alone", 0.0, None), ("ngram_alone", 1.0, None),
+                                ("blend_never_skipping", served, None)):
+                pred.ngram_weight, pred.skip_above = w, sk
                 m[f"hint_true_{part}"] = metrics(all_labels[idx], np.array(pred.predict(batch)), len(edges) + 1)
-            pred.ngram_weight = served
+            pred.ngram_weight, pred.skip_above = served, skip
         if task_model is not None:
             guessed = pred.predict_tasks(batch)
             m["task_accuracy"] = float(np.mean([g == rows[i].task for g, i in zip(guessed, idx)]))
@@ -408,6 +412,11 @@ def train(args: Args) -> Path:
     return out
 
 
+#: Cascade thresholds tried on validation: n-gram top-class probabilities at or above
+#: which the transformer is skipped (step 7).
+SKIP_GRID: tuple[float, ...] = (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.99)
+
+
 def fit_blend(args: Args, rows, train_split: np.ndarray, val_idx: np.ndarray, all_labels: np.ndarray,
               y_all: np.ndarray, n_classes: int, out: Path) -> dict:
     """Fit the n-gram model into ``out/ngram`` and choose its blend weight on validation.
@@ -415,6 +424,9 @@ def fit_blend(args: Args, rows, train_split: np.ndarray, val_idx: np.ndarray, al
     The weight is the grid value (0, 0.1, .., 1) with the best validation accuracy of
     ``(1 - w) * transformer + w * n-gram`` class probabilities, true task hint, the
     transformer loaded from ``out`` as served (int8). Ties go to the weight nearest 0.5.
+    Then the cascade threshold: the lowest of :data:`SKIP_GRID` at which using the n-gram
+    probabilities alone for requests it is that confident about loses no validation
+    accuracy against the blend (``None``: never skip).
     Returns the metadata entry ``{"ngram", "ngram_weight", ...}``.
     """
     from .ngram import NgramModel
@@ -434,9 +446,25 @@ def fit_blend(args: Args, rows, train_split: np.ndarray, val_idx: np.ndarray, al
     y = all_labels[val_idx]
     acc = {k / 10: float((((1 - k / 10) * p_t + (k / 10) * p_n).argmax(axis=1) == y).mean()) for k in range(11)}
     best = max(acc, key=lambda w: (acc[w], -abs(w - 0.5)))
+    # Cascade: the lowest n-gram confidence above which skipping the transformer loses no
+    # validation accuracy (None when every threshold loses some, or the blend is one part).
+    blend = (1 - best) * p_t + best * p_n
+    conf = p_n.max(axis=1)
+    skip_acc: dict[str, float] = {}
+    skip = None
+    if 0.0 < best < 1.0:
+        for th in SKIP_GRID:
+            pick = np.where((conf >= th)[:, None], p_n, blend).argmax(axis=1)
+            skip_acc[f"{th:.2f}"] = float((pick == y).mean())
+        ok = [th for th in SKIP_GRID if skip_acc[f"{th:.2f}"] >= acc[best]]
+        skip = min(ok) if ok else None
+    skipped = float((conf >= skip).mean()) if skip is not None else 0.0
     log(args, f"n-gram model: {len(idx)} rows, {len(ng.vectorizer.vocabulary_)} terms, {fit_s:.0f} s; "
-              f"validation accuracy by n-gram weight {[round(a, 4) for a in acc.values()]}, chose {best}")
+              f"validation accuracy by n-gram weight {[round(a, 4) for a in acc.values()]}, chose {best}; "
+              f"transformer skipped at n-gram confidence >= {skip} ({skipped:.1%} of validation)")
     return {"ngram": "ngram", "ngram_weight": best, "chosen_on": "validation accuracy, true task hint",
+            "skip_transformer_above": skip, "val_skipped_share": skipped,
+            "val_accuracy_by_skip_threshold": skip_acc,
             "val_accuracy_by_weight": {f"{w:.1f}": a for w, a in acc.items()}, "ngram_train_rows": len(idx),
             "ngram_terms": len(ng.vectorizer.vocabulary_), "ngram_fit_seconds": round(fit_s, 1),
             "ngram_settings": ng.settings}
