@@ -81,23 +81,35 @@ def makespan_lower_bound(profile: HardwareProfile, m: int, requests, *, overhead
     return sum(least_work_s(profile, r.prompt, r.output, overhead_by_kv=overhead_by_kv) for r in requests) / m
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_sample_arguments(ap: argparse.ArgumentParser) -> None:
+    """--workload, --instances, --rate (req/s), --requests, --seeds, --profile: the held-out
+    samples 0..N-1 of a workload's ``eval`` part (also used by ``queue_order.py``)."""
     ap.add_argument("--workload", default="public-mix")
     ap.add_argument("--instances", type=int, default=4)
-    ap.add_argument("--rate", type=float, default=20.0)
+    ap.add_argument("--rate", type=float, default=20.0, help="offered load (requests/s)")
     ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=5, help="held-out samples 0..N-1")
     ap.add_argument("--profile", default="llama2-7b-v100")
-    ap.add_argument("--policies", default="round_robin;late_binding")
-    a = ap.parse_args()
+
+
+def check_sample_arguments(ap: argparse.ArgumentParser, a: argparse.Namespace) -> HardwareProfile:
+    """The profile, after checking the options; a bad one exits with one line (status 2)."""
     if a.instances < 1 or a.seeds < 1 or a.requests < 1 or not a.rate > 0:
         ap.error("--instances, --seeds and --requests must be >= 1 and --rate > 0")
     try:
         prof = get_profile(a.profile)
         splits.sample(a.workload, "eval", 0, a.requests, a.rate)
     except (ProfileError, WorkloadError, ValueError) as e:
-        ap.exit(2, f"makespan_bound: error: {e}\n")
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
+    return prof
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_sample_arguments(ap)
+    ap.add_argument("--policies", default="round_robin;late_binding")
+    a = ap.parse_args()
+    prof = check_sample_arguments(ap, a)
     m = a.instances
     specs = [s for s in a.policies.split(";") if s]
     print(f"{a.workload}, {m} x {prof.name}, {a.requests} requests at {a.rate:g} req/s, held-out samples 0..{a.seeds - 1}")

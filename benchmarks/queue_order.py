@@ -25,11 +25,12 @@ import argparse
 import statistics
 from collections import deque
 
+from makespan_bound import add_sample_arguments, check_sample_arguments
 from routerd.policies.base import PolicyContext
-from routerd.policies.registry import build_policy_from_spec
-from routerd.profiles import get_profile
+from routerd.policies.registry import PolicyError, build_policy_from_spec
 from routerd.rl import splits
 from routerd.sim import ClusterSimulator, prepare_requests
+from routerd.sim.prepare import PredictionError
 from routerd.sim.report import summarize
 
 ORDERS = {
@@ -53,18 +54,16 @@ class OrderedQueueSimulator(ClusterSimulator):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="public-mix")
-    ap.add_argument("--instances", type=int, default=4)
-    ap.add_argument("--rate", type=float, default=20.0)
-    ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--profile", default="llama2-7b-v100")
-    ap.add_argument("--prediction", default="true")
-    ap.add_argument("--policy", default="late_binding")
+    add_sample_arguments(ap)
+    ap.add_argument("--prediction", default="true", help="prediction mode (phasewise bench --prediction)")
+    ap.add_argument("--policy", default="late_binding", help="the holding policy whose queue is re-sorted")
     a = ap.parse_args()
-    if a.instances < 1 or a.seeds < 1 or a.requests < 1 or not a.rate > 0:
-        ap.error("--instances, --seeds and --requests must be >= 1 and --rate > 0")
-    prof = get_profile(a.profile)
+    prof = check_sample_arguments(ap, a)
+    try:
+        build_policy_from_spec(a.policy, PolicyContext(prof, a.instances, seed=0))
+        prepare_requests(splits.sample(a.workload, "eval", 0, 1, a.rate), prof, prediction=a.prediction, seed=0)
+    except (PolicyError, PredictionError, ValueError) as e:
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
     m = a.instances
     rows = [("round_robin", "fifo")] + [(a.policy, o) for o in ORDERS]
     out: dict[tuple[str, str], list] = {k: [] for k in rows}
