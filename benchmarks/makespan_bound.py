@@ -112,6 +112,11 @@ def main() -> None:
     prof = check_sample_arguments(ap, a)
     m = a.instances
     specs = [s for s in a.policies.split(";") if s]
+    try:
+        for spec in specs:
+            build_policy_from_spec(spec, PolicyContext(prof, m, seed=0))
+    except ValueError as e:  # PolicyError is a ValueError
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
     print(f"{a.workload}, {m} x {prof.name}, {a.requests} requests at {a.rate:g} req/s, held-out samples 0..{a.seeds - 1}")
     print(f"{'sample':>6s} {'by slot':>8s} {'by KV':>8s} {'bound s':>8s} " + " ".join(f"{s[:22]:>22s}" for s in specs)
           + "   (bounds with the overhead charged by batch slot / by KV share, the larger;"

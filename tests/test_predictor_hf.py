@@ -243,3 +243,27 @@ def test_auto_hint_leaves_a_missing_task_out_when_guesses_did_worse_on_validatio
         assert used[0] == ref.hints_for(texts, tokens, [None, None])[0]
         if not guess_better:
             assert used[0] is None
+
+
+def test_blend_folder_must_stay_inside_and_odd_metrics_do_not_crash(tiny_model, tmp_path):
+    import shutil
+
+    from routerd.predictor.hf import HFPredictor
+
+    out, _ = tiny_model
+    dst = tmp_path / "m"
+    shutil.copytree(out, dst)
+    meta = json.loads((dst / "predictor.json").read_text())
+    for bad in ("../elsewhere", "/tmp", "", ".."):
+        meta["blend"]["ngram"] = bad
+        (dst / "predictor.json").write_text(json.dumps(meta))
+        with pytest.raises(PredictorError, match="must name a folder inside"):
+            HFPredictor.load(dst)
+    meta["blend"]["ngram"] = "ngram"
+    meta["metrics"] = ["not", "a", "dict"]
+    (dst / "predictor.json").write_text(json.dumps(meta))
+    p = HFPredictor.load(dst, hint="none")
+    assert p.guess_missing_task is True
+    assert p.name.startswith(("transformer+ngram[none", "ngram[none", "transformer[none"))
+    p.hint = "true"
+    assert "[true" in p.name

@@ -144,3 +144,43 @@ def test_bad_folders_name_the_file(tmp_path, model):
     w_path.write_bytes(b"\x00garbage")
     with pytest.raises(PredictorError, match=f"{WEIGHTS_FILE}: cannot read"):
         NgramModel.load(tmp_path)
+
+
+def test_non_finite_or_mistyped_weights_and_config_are_refused(tmp_path, model):
+    """NaN weights would make every probability NaN and every prediction bucket 0."""
+    from safetensors.numpy import load_file, save_file
+
+    model.save(tmp_path)
+    cfg_path, w_path = tmp_path / CONFIG_FILE, tmp_path / WEIGHTS_FILE
+    good_cfg, good_w = cfg_path.read_text(), load_file(str(w_path))
+    cases = [
+        ("intercept", np.full(3, np.nan), "'intercept' holds NaN"),
+        ("coef", np.where(np.arange(good_w["coef"].size).reshape(good_w["coef"].shape) == 0, np.inf,
+                          good_w["coef"]), "'coef' holds NaN or infinite"),
+        ("idf", good_w["idf"].astype(np.int64), "'idf' must be a non-empty 1-D float array"),
+        ("coef", good_w["coef"][0], "'coef' must be a non-empty 2-D float array"),
+        ("coef", good_w["coef"][:1], "coef has 1 classes"),
+    ]
+    for key, value, msg in cases:
+        save_file({**good_w, key: np.ascontiguousarray(value)}, str(w_path))
+        with pytest.raises(PredictorError, match=msg) as e:
+            NgramModel.load(tmp_path)
+        assert WEIGHTS_FILE in str(e.value)
+    save_file(good_w, str(w_path))
+    for field, value, msg in [("tasks", None, "'tasks' must be a list"), ("tasks", [[1]], "'tasks' must be a list"),
+                              ("tasks", ["toy:a", "toy:a"], "'tasks' must be a list"),
+                              ("vocabulary", [], "non-empty list"), ("max_chars", 0, "'max_chars' must be"),
+                              ("max_chars", 1e300, "'max_chars' must be"), ("settings", [1, 2], "'settings'")]:
+        cfg = json.loads(good_cfg)
+        cfg[field] = value
+        cfg_path.write_text(json.dumps(cfg))
+        with pytest.raises(PredictorError, match=msg) as e:
+            NgramModel.load(tmp_path)
+        assert CONFIG_FILE in str(e.value) or WEIGHTS_FILE in str(e.value)
+    cfg_path.write_text(good_cfg)
+    assert np.array_equal(NgramModel.load(tmp_path).coef, model.coef)
+
+
+def test_token_counts_beyond_float_range_are_clamped(model):
+    huge = model.predict_proba(["hi", "hi"], [10**400, 2**53], [None, None])
+    assert np.isfinite(huge).all() and np.array_equal(huge[0], huge[1])

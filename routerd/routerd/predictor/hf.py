@@ -250,16 +250,16 @@ class HFPredictor:
         if skip_above is not None and not 0.0 < skip_above <= 1.0:
             raise PredictorError(f"{path}: cascade threshold {skip_above!r} must lie in (0, 1]")
         self.skip_above = skip_above
-        val = (meta.get("metrics") or {}).get("val") or {}
         try:
-            guess_worse = val["hint_predicted"]["accuracy"] < val["hint_none"]["accuracy"]
-        except (KeyError, TypeError):
-            guess_worse = False
+            val = meta["metrics"]["val"]
+            guess_worse = float(val["hint_predicted"]["accuracy"]) < float(val["hint_none"]["accuracy"])
+        except (KeyError, TypeError, ValueError, IndexError):
+            guess_worse = False  # no usable validation figures: keep guessing, as before
         self.guess_missing_task = not guess_worse
         """``auto`` mode: guess a missing task with the task model (True), or leave the hint
         out (False, when the saved validation accuracy with guessed hints is below that
         without any hint: a wrong task misleads the models more than no task)."""
-        self.name = f"transformer[{hint}]"
+
         self.unknown_tasks = 0
         """Requests seen with a task label outside :attr:`tasks` (treated as no task)."""
 
@@ -308,7 +308,10 @@ class HFPredictor:
 
             try:
                 weight = float(blend["ngram_weight"])
-                folder = path / str(blend["ngram"])
+                sub = blend["ngram"]
+                if not isinstance(sub, str) or not sub or Path(sub).name != sub or sub in (".", ".."):
+                    raise ValueError(f"'ngram' must name a folder inside the model folder, got {sub!r}")
+                folder = path / sub
                 skip = blend.get("skip_transformer_above")
                 skip = None if skip is None else float(skip)
             except (KeyError, TypeError, ValueError) as e:
@@ -318,6 +321,15 @@ class HFPredictor:
                 raise PredictorError(f"{folder}: the n-gram model has {ngram.classes} classes, "
                                      f"the transformer {bucket.config.num_labels}")
         return cls(path, meta, tok, bucket, task_model, hint, chunk, ngram, weight, skip)
+
+    @property
+    def name(self) -> str:
+        """``transformer[<hint mode>]``, or ``transformer+ngram[<hint mode>, w=<n-gram weight>]``."""
+        if self.ngram is None or self.ngram_weight == 0.0:
+            return f"transformer[{self.hint}]"
+        if self.ngram_weight == 1.0:
+            return f"ngram[{self.hint}]"
+        return f"transformer+ngram[{self.hint}, w={self.ngram_weight:g}]"
 
     def _clean(self, batch: Sequence[Item]) -> tuple[list[str], list[int], list[str | None], list[object]]:
         """(cut texts for the transformer, token counts, known tasks or None, the prompts as given)."""

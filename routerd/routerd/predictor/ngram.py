@@ -41,6 +41,8 @@ from .base import PredictorError, clean_prompt
 CONFIG_FILE = "ngram.json"
 WEIGHTS_FILE = "ngram.safetensors"
 FORMAT = 1
+#: Prompt token counts above this are treated as this (2**53, the largest exact float).
+MAX_TOKENS = 2**53
 
 
 def _vectorizer(vocabulary=None, *, max_features: int | None = None, min_df: int = 2):
@@ -85,7 +87,8 @@ class NgramModel:
             raise PredictorError(f"{n} texts, {len(prompt_tokens)} token counts and {len(tasks)} tasks")
         tfidf = self.vectorizer.transform([t[: self.max_chars] for t in texts])
         k = len(self.tasks)
-        lp = np.log1p(np.maximum(np.asarray(prompt_tokens, dtype=np.float64), 0.0))
+        # Clamp before converting: a Python int beyond float range (10**400) must not raise.
+        lp = np.log1p(np.array([min(max(int(n), 0), MAX_TOKENS) for n in prompt_tokens], dtype=np.float64))
         rows, cols, vals = [], [], []
         for i, t in enumerate(tasks):
             c = self._task_col.get(t) if isinstance(t, str) else None
@@ -219,23 +222,39 @@ class NgramModel:
         try:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
             fmt, terms, tasks = cfg["format"], cfg["vocabulary"], cfg["tasks"]
-            max_chars = int(cfg["max_chars"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            max_chars = cfg["max_chars"]
+            settings = cfg.get("settings", {})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise PredictorError(f"{cfg_path}: cannot read the n-gram model ({type(e).__name__}: {e})") from None
         if fmt != FORMAT:
             raise PredictorError(f"{cfg_path}: n-gram format {fmt!r}, this version reads {FORMAT}")
-        if not isinstance(terms, list) or len(set(terms)) != len(terms) or not all(isinstance(t, str) for t in terms):
-            raise PredictorError(f"{cfg_path}: the vocabulary must be a list of distinct strings")
+        if (not isinstance(terms, list) or not terms or not all(isinstance(t, str) for t in terms)
+                or len(set(terms)) != len(terms)):
+            raise PredictorError(f"{cfg_path}: the vocabulary must be a non-empty list of distinct strings")
+        if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks) or len(set(tasks)) != len(tasks):
+            raise PredictorError(f"{cfg_path}: 'tasks' must be a list of distinct strings")
+        if isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < 1:
+            raise PredictorError(f"{cfg_path}: 'max_chars' must be a positive integer, got {max_chars!r}")
+        if not isinstance(settings, dict):
+            raise PredictorError(f"{cfg_path}: 'settings' must be an object")
         try:
             w = load_file(str(w_path))
             idf, coef, intercept = w["idf"], w["coef"], w["intercept"]
         except (OSError, SafetensorError, KeyError) as e:
             raise PredictorError(f"{w_path}: cannot read the n-gram weights ({type(e).__name__}: {e})") from None
+        for name, arr, ndim in (("idf", idf, 1), ("coef", coef, 2), ("intercept", intercept, 1)):
+            if arr.ndim != ndim or arr.dtype.kind != "f" or arr.size == 0:
+                raise PredictorError(f"{w_path}: '{name}' must be a non-empty {ndim}-D float array, "
+                                     f"got shape {arr.shape} of {arr.dtype}")
+            if not np.isfinite(arr).all():
+                raise PredictorError(f"{w_path}: '{name}' holds NaN or infinite values")
         if idf.shape != (len(terms),):
             raise PredictorError(f"{w_path}: idf has shape {idf.shape}, the vocabulary has {len(terms)} terms")
+        if coef.shape[0] < 2:
+            raise PredictorError(f"{w_path}: coef has {coef.shape[0]} classes, at least 2 are needed")
         vec = _vectorizer({t: i for i, t in enumerate(terms)})
         vec.idf_ = idf
         try:
-            return cls(vec, tasks, coef, intercept, max_chars, cfg.get("settings"))
+            return cls(vec, tasks, coef, intercept, max_chars, settings)
         except PredictorError as e:
             raise PredictorError(f"{w_path}: {e}") from None
