@@ -107,7 +107,8 @@ def main() -> None:
         print(f"{len(batch)} held-out prompts{' of ' + args.dataset if args.dataset else ''}, batches of 64, {args.threads} torch thread(s), "
               f"{layers} layer(s), max {served.max_length} tokens, task hint given")
         print(f"served (int8, length-sorted chunks of 16): {t_served:.2f} ms/request wall, {c_served:.2f} ms CPU")
-        print(f"unoptimised (fp32, one padded batch):      {t_plain:.2f} ms/request wall, {c_plain:.2f} ms CPU")
+        print(f"unoptimised (fp32, one padded batch):      {t_plain:.2f} ms/request wall, {c_plain:.2f} ms CPU"
+              + (" (same blend and cascade)" if served.ngram is not None else ""))
         print(f"speed-up served vs unoptimised:            {t_plain / t_served:.2f}x")
         if served.ngram is not None:
             w, skip = served.ngram_weight, served.skip_above

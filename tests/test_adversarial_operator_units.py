@@ -90,7 +90,7 @@ def test_long_condition_messages_are_cut():
 
 
 def test_kopf_diffbase_holds_digests_not_the_spec():
-    import kopf
+    kopf = pytest.importorskip("kopf")  # the 'operator' extra
 
     from phasewise_operator.handlers import DigestDiffBaseStorage
 

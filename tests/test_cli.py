@@ -109,6 +109,17 @@ def test_given_prediction_without_predictions_is_a_clear_error(tmp_path, capsys)
     assert "carries no predictions" in err and "predictor:" in err
 
 
+def test_bench_records_which_predictor_made_the_predictions(tmp_path, capsys):
+    pytest.importorskip("sklearn")  # the 'predictor' extra (the baselines fit with scikit-learn)
+    rc = main(["bench", "--limit", "30", "--policies", "round_robin", "--prediction", "predictor:majority",
+               "--no-plot", "-o", str(tmp_path)])
+    if rc == 2 and "data" in capsys.readouterr().err:
+        pytest.skip("no shared data directory for the baseline's training split")
+    assert rc == 0
+    assert "prediction=predictor:majority" in capsys.readouterr().out
+    assert json.loads((tmp_path / "bench.json").read_text())["prediction"] == "predictor:majority"
+
+
 def test_out_that_is_a_file_fails_before_simulating(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")

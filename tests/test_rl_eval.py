@@ -58,6 +58,7 @@ def test_paired_change_by_hand():
 
 
 def test_best_heuristic_matches_trainer():
+    pytest.importorskip("gymnasium")  # routerd.rl.train needs the 'rl' extra
     from routerd.rl.train import BEST_HEURISTIC
 
     assert rl_eval.BEST_HEURISTIC == BEST_HEURISTIC

@@ -140,6 +140,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     bench = run_bench(requests, profile, args.instances, specs, workload_name=wl.name,
                       prediction=prediction, seed=args.seed, action_interval_s=args.action_interval,
                       progress_factory=progress_factory)
+    # Simulated with the predictions assigned up front ("given"); report which predictor made them.
+    bench.prediction = args.prediction
     print(format_table(bench))
     out.mkdir(parents=True, exist_ok=True)
     data = bench.as_dict()

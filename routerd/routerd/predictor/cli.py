@@ -53,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     src.add_argument("--input", help="JSON-lines file, '-' for stdin")
     r.add_argument("--task", default=None, help="task label for --prompt/--prompt-file")
     r.add_argument("--prompt-tokens", type=int, default=None,
-                   help="prompt length in tokens (default: UTF-8 bytes / 4, rounded up)")
+                   help="prompt length in tokens (default: UTF-8 bytes / 4, rounded up, at least 1)")
     r.add_argument("--hint", choices=("auto", "true", "predicted", "none"), default="auto",
                    help="transformer only: which task hint to use (default auto)")
     r.add_argument("--data-dir", default=None, help="shared data directory, for the baselines")

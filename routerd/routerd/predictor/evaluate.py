@@ -137,7 +137,7 @@ def evaluate(
               "model": str(model_dir) if model_dir else None}
     if pred is not None:
         served = pred.ngram_weight
-        name = "transformer" if pred.ngram is None else f"transformer + n-gram (w={served:g})"
+        name = "transformer" if pred.ngram is None else f"transformer + n-gram (n-gram weight {served:g})"
         modes = [(f"{name}, no hint", "none", served)]
         if pred.task_model is not None:
             modes.append((f"{name}, predicted hint", "predicted", served))

@@ -405,7 +405,7 @@ def train(args: Args) -> Path:
             guessed = pred.predict_tasks(batch)
             m["task_accuracy"] = float(np.mean([g == rows[i].task for g, i in zip(guessed, idx)]))
         meta["metrics"][name] = m
-        log(args, f"{name}: acc true-hint {m['hint_true']['accuracy']:.4f}, no-hint {m['hint_none']['accuracy']:.4f}"
+        log(args, f"{name} ({len(idx)} rows): acc true-hint {m['hint_true']['accuracy']:.4f}, no-hint {m['hint_none']['accuracy']:.4f}"
                   + (f", task acc {m['task_accuracy']:.4f}" if "task_accuracy" in m else ""))
     (out / H.META_FILE).write_text(json.dumps(meta, indent=2))
     log(args, f"saved to {out} ({train_seconds:.0f} s training, {time.perf_counter() - t_start:.0f} s total)")
