@@ -184,3 +184,10 @@ def test_non_finite_or_mistyped_weights_and_config_are_refused(tmp_path, model):
 def test_token_counts_beyond_float_range_are_clamped(model):
     huge = model.predict_proba(["hi", "hi"], [10**400, 2**53], [None, None])
     assert np.isfinite(huge).all() and np.array_equal(huge[0], huge[1])
+
+
+def test_empty_prompts_still_fit_on_task_and_length():
+    # No text at all: the vocabulary is a placeholder and the task decides.
+    m = NgramModel.fit([""] * 20, [5] * 20, ["toy:a", "toy:b"] * 10, [0, 1] * 10, classes=2, C=10.0,
+                       task_dropout=0.0)
+    assert m.predict_proba(["", ""], [5, 5], ["toy:a", "toy:b"]).argmax(axis=1).tolist() == [0, 1]

@@ -154,7 +154,9 @@ class NgramModel:
         try:
             vec.fit(texts)
         except ValueError:
-            # Every prompt was empty or below min_df: fall back to all terms of length >= 1.
+            # No term reaches min_df, or every prompt is empty: keep every term, plus one
+            # placeholder so the vocabulary is never empty (the model then decides by task
+            # and length alone).
             vec = _vectorizer(max_features=max_features, min_df=1)
             try:
                 vec.fit(texts + ["placeholder"])
