@@ -55,6 +55,14 @@ class LengthPredictor(Protocol):
 # ----------------------------------------------------------------------------- inputs
 
 
+def softmax_rows(z: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of scores of shape (n, classes), float64; each row sums to 1."""
+    z = np.asarray(z, dtype=np.float64)
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+
 def clean_prompt(prompt: object, max_chars: int | None = None) -> str:
     """Prompt text safe for a tokenizer: ``None`` -> ``""``, bytes decoded as UTF-8 with
     bad bytes replaced, lone surrogates replaced, then cut to ``max_chars`` characters.

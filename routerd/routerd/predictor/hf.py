@@ -38,7 +38,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from .base import Item, PredictorError, check_edges, clean_prompt, clean_task, unpack
+from .base import Item, PredictorError, check_edges, clean_prompt, clean_task, softmax_rows, unpack
 
 #: Metadata file written next to the saved models.
 META_FILE = "predictor.json"
@@ -401,15 +401,10 @@ class HFPredictor:
         return out
 
     def _transformer_proba(self, texts: list[str], tokens: list[int], tasks: list[str | None]):
-        import numpy as np
-
         hints = [format_hint(t, n, use_length=self.use_length) for t, n in zip(tasks, tokens)]
         logits = run_model(self.bucket_model, self.tokenizer, encode(self.tokenizer, hints, texts, self.max_length),
                            chunk=self.chunk)
-        z = logits.astype(np.float64)
-        z -= z.max(axis=1, keepdims=True)
-        p = np.exp(z)
-        return p / p.sum(axis=1, keepdims=True)
+        return softmax_rows(logits)
 
     def predict(self, batch: Sequence[Item]) -> list[int]:
         """Bucket of each item (never above the model's last class; see ``meta['classes']``)."""

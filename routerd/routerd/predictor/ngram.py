@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import PredictorError, clean_prompt
+from .base import PredictorError, clean_prompt, softmax_rows
 
 CONFIG_FILE = "ngram.json"
 WEIGHTS_FILE = "ngram.safetensors"
@@ -105,11 +105,7 @@ class NgramModel:
         """Class probabilities, float64 array of shape (n, classes); rows sum to 1."""
         if len(texts) == 0:
             return np.zeros((0, self.classes))
-        z = self.features(texts, prompt_tokens, tasks) @ self.coef.T + self.intercept
-        z = np.asarray(z)
-        z -= z.max(axis=1, keepdims=True)
-        e = np.exp(z)
-        return e / e.sum(axis=1, keepdims=True)
+        return softmax_rows(self.features(texts, prompt_tokens, tasks) @ self.coef.T + self.intercept)
 
     # ------------------------------------------------------------------ fit
     @classmethod

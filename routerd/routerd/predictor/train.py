@@ -122,7 +122,7 @@ class Args:
     max_minutes: float | None = None
     """Stop training (not evaluation) after this many minutes."""
     ngram: bool = True
-    """Fit the n-gram model and blend it with the transformer (step 6)."""
+    """Fit the n-gram model and blend it with the transformer (step 7)."""
     ngram_c: float = 1.0
     """Inverse L2 strength of the n-gram logistic regression."""
     ngram_max_features: int = 300_000
