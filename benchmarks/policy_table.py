@@ -22,7 +22,7 @@ import json
 import statistics
 
 from routerd.bench import pct, run_bench
-from routerd.policies.registry import DEFAULT_BENCH_POLICIES
+from routerd.policies.registry import default_bench_policies
 from routerd.profiles import get_profile
 from routerd.rl.splits import window
 from routerd.sim.capacity import round_robin_capacity
@@ -46,7 +46,7 @@ def setting(name: str, workload: str, profile_name: str, n: int, seeds: int, loa
         rate = load * round_robin_capacity(reqs, profile, m)
         rates.append(rate)
         reqs = rescale_to_rate(reqs, rate)
-        bench = run_bench(reqs, profile, m, DEFAULT_BENCH_POLICIES, workload_name=workload, seed=seed)
+        bench = run_bench(reqs, profile, m, default_bench_policies(m, profile.name)[0], workload_name=workload, seed=seed)
         for r in bench.results:
             d = per_policy.setdefault(r.spec, {k: [] for k in METRICS})
             for k in METRICS:

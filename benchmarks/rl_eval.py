@@ -27,8 +27,15 @@ Settings (``--settings``, ``--instances``; default all three workloads on 4 and 
 
 Policies: round_robin, join_shortest_queue, max_capacity_usage, min_min, mixing_penalty
 and late_binding (the best heuristic of the foundation issue, ``routerd.rl.train.
-BEST_HEURISTIC``), or ``--policies``; plus one ``dqn`` per ``--checkpoint LABEL=DIR``.
-A checkpoint made for another instance count is skipped in that setting (with a note).
+BEST_HEURISTIC``), or ``--policies``; plus one ``dqn`` row per ``--checkpoint
+LABEL=DIR[,DIR...]``. Several folders under one label are training seeds of one recipe:
+in a setting with ``m`` instances, the folders trained for ``m`` are used in the order
+given and held-out sample ``i`` is routed by folder ``i mod k``. With 5 samples and 5
+seeds each row's interval thus spans both training seeds and workload samples, and
+stays paired with round robin on the same sample. ``--table-dir DIR`` adds every
+``<recipe>-<variant>-m<M>-s<SEED>`` folder of ``benchmarks/rl_train_table.py`` under the
+label ``<recipe> <variant>``, seeds in increasing order.
+A label with no folder for a setting's instance count is skipped there (with a note).
 A checkpoint trained on a workload is evaluated on that workload's held-out part, which
 never overlaps its training part (``routerd.rl.splits``); the other workloads test it
 on traffic it was not trained on.
@@ -36,7 +43,8 @@ on traffic it was not trained on.
 Usage:
     PYTHONPATH=routerd python benchmarks/rl_eval.py [--seeds 5] [--requests 1000]
         [--settings public-mix,azure-conv,azure-code] [--instances 4,8]
-        [--checkpoint baseline=ckpts/b --checkpoint workload-guided=ckpts/g ...]
+        [--checkpoint baseline=ckpts/b --checkpoint workload-guided=ckpts/g1,ckpts/g2 ...]
+        [--table-dir ckpts]
         [--prediction true] [--out rl-eval.json] [--quick]
 
 ``--quick`` = 2 seeds, 300 requests, public-mix on 4 instances (explicit flags win).
@@ -52,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -150,8 +159,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                                      f"(default {','.join(DEFAULT_SETTINGS)})")
     ap.add_argument("--instances", default=None, help="comma list of instance counts (default 4,8)")
     ap.add_argument("--policies", default=None, help=f"comma list of heuristic specs (default {','.join(HEURISTICS)})")
-    ap.add_argument("--checkpoint", action="append", default=[], metavar="LABEL=DIR",
-                    help="a DQN checkpoint folder to evaluate under LABEL (repeatable)")
+    ap.add_argument("--checkpoint", action="append", default=[], metavar="LABEL=DIR[,DIR...]",
+                    help="DQN checkpoint folders (training seeds) to evaluate under LABEL (repeatable)")
+    ap.add_argument("--table-dir", default=None,
+                    help="add every <recipe>-<variant>-m<M>-s<SEED> folder of benchmarks/rl_train_table.py")
     ap.add_argument("--prediction", default="true", help="prediction mode (true | noisy[:ACC] | none)")
     ap.add_argument("--profile", default="llama2-7b-v100")
     ap.add_argument("--data-dir", default=None)
@@ -215,17 +226,48 @@ def validate(a: argparse.Namespace) -> None:
             build_policy_from_spec(spec, PolicyContext(a.profile_obj, 2))
         except PolicyError as e:
             raise UsageError(f"--policies: {e}") from None
+    items = list(a.checkpoint)
+    if a.table_dir is not None:
+        items += table_dir_items(a.table_dir)
     a.ckpts = {}
-    for item in a.checkpoint:
-        label, eq, path = item.partition("=")
-        if not eq or not label.strip() or not path.strip():
-            raise UsageError(f"--checkpoint expects LABEL=DIR, got {item!r}")
-        if label.strip() in a.ckpts or label.strip() in a.policies:
-            raise UsageError(f"--checkpoint label {label.strip()!r} is used twice")
+    for item in items:
+        label, eq, paths = item.partition("=")
+        label = label.strip()
+        folders = [p.strip() for p in paths.split(",") if p.strip()]
+        if not eq or not label or not folders:
+            raise UsageError(f"--checkpoint expects LABEL=DIR[,DIR...], got {item!r}")
+        if label in a.ckpts or label in a.policies:
+            raise UsageError(f"--checkpoint label {label!r} is used twice")
         try:
-            a.ckpts[label.strip()] = load_checkpoint(path.strip())
+            a.ckpts[label] = [load_checkpoint(f) for f in folders]
         except CheckpointError as e:
             raise UsageError(str(e)) from None
+
+
+TABLE_RUN = re.compile(r"^(?P<recipe>[a-z0-9_]+)-(?P<variant>[a-z-]+)-m(?P<m>[0-9]+)-s(?P<seed>[0-9]+)$")
+"""Folder names written by ``benchmarks/rl_train_table.py`` (``paper-workload-guided-m4-s0``)."""
+
+
+def table_dir_items(folder: str) -> list[str]:
+    """``LABEL=DIR,DIR,...`` items for the trained runs in ``folder`` (see :data:`TABLE_RUN`):
+    one label ``<recipe> <variant>`` per recipe and variant, folders of every instance count,
+    ordered by instance count then seed. Folders without ``metadata.json`` (unfinished runs)
+    are left out.
+
+    Raises:
+        UsageError: ``folder`` is not a folder or holds no finished run.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise UsageError(f"--table-dir {folder}: not a folder")
+    runs: dict[str, list[tuple[int, int, Path]]] = {}
+    for d in root.iterdir():
+        mt = TABLE_RUN.match(d.name)
+        if mt and (d / "metadata.json").is_file():
+            runs.setdefault(f"{mt['recipe']} {mt['variant']}", []).append((int(mt["m"]), int(mt["seed"]), d))
+    if not runs:
+        raise UsageError(f"--table-dir {folder}: no finished <recipe>-<variant>-m<M>-s<SEED> checkpoint folder")
+    return [f"{label}=" + ",".join(str(d) for _, _, d in sorted(v)) for label, v in sorted(runs.items())]
 
 
 def checkpoint_workload(ck) -> str | None:
@@ -274,11 +316,12 @@ def evaluate(a: argparse.Namespace, log=print) -> dict:
     n_pol = len(a.policies) + len(a.ckpts)
     bar = tqdm(total=len(jobs) * a.seeds * (n_pol + 2), unit="run", desc="rl_eval", file=sys.stderr,
                disable=a.no_progress)
-    for label, ck in a.ckpts.items():
-        wl = checkpoint_workload(ck)
-        trained = f"the training part of {wl}" if wl else "an unrecorded workload"
-        log(f"checkpoint {label}: {ck.path} (variant {ck.metadata.get('variant')}, {ck.num_instances} instances, "
-            f"profile {ck.metadata.get('profile')}, trained on {trained})")
+    for label, cks in a.ckpts.items():
+        for ck in cks:
+            wl = checkpoint_workload(ck)
+            trained = f"the training part of {wl}" if wl else "an unrecorded workload"
+            log(f"checkpoint {label}: {ck.path} (variant {ck.metadata.get('variant')}, {ck.num_instances} "
+                f"instances, profile {ck.metadata.get('profile')}, trained on {trained})")
     results = []
     for workload, m in jobs:
         notes = []
@@ -300,15 +343,23 @@ def evaluate(a: argparse.Namespace, log=print) -> dict:
                    f"on {m} instances")
         reqs = [sample(workload, i, m) if workload in GENERATORS else rescale_to_rate(sample(workload, i, m), r)
                 for i, r in zip(seeds, rates)]
+        # label -> (spec, make(ctx, sample index) -> policy)
         policies: dict[str, tuple[str, object]] = {}
         for spec in a.policies:
             label = f"{spec} (best heuristic)" if spec == BEST_HEURISTIC else spec
-            policies[label] = (spec, lambda ctx, s=spec: build_policy_from_spec(s, ctx))
-        for label, ck in a.ckpts.items():
-            if ck.num_instances != m:
-                notes.append(f"checkpoint {label} skipped: trained for {ck.num_instances} instances, setting has {m}")
+            policies[label] = (spec, lambda ctx, i, s=spec: build_policy_from_spec(s, ctx))
+        for label, cks in a.ckpts.items():
+            fits = [c for c in cks if c.num_instances == m]
+            if not fits:
+                have = sorted({c.num_instances for c in cks})
+                notes.append(f"checkpoint {label} skipped: trained for {', '.join(map(str, have))} instances, "
+                             f"setting has {m}")
                 bar.update(a.seeds)
                 continue
+            ck = fits[0]
+            if len(fits) > 1:
+                notes.append(f"checkpoint {label}: {len(fits)} training seeds; held-out sample i is routed by "
+                             f"seed folder i mod {len(fits)}")
             wl = checkpoint_workload(ck)
             if wl == workload:
                 notes.append(f"checkpoint {label}: evaluated on {workload}'s held-out part (never trained on, "
@@ -318,14 +369,14 @@ def evaluate(a: argparse.Namespace, log=print) -> dict:
             if ck.metadata.get("profile") not in (None, profile.name):
                 notes.append(f"checkpoint {label}: trained on profile {ck.metadata.get('profile')}, "
                              f"evaluated on {profile.name}")
-            policies[f"dqn {label}"] = (f"dqn:checkpoint={ck.path}",
-                                        lambda ctx, w=ck.weights: DQNPolicy(ctx, weights=w))
+            policies[f"dqn {label}"] = (",".join(f"dqn:checkpoint={c.path}" for c in fits),
+                                        lambda ctx, i, f=fits: DQNPolicy(ctx, weights=f[i % len(f)].weights))
         per: dict[str, dict[str, list[float]]] = {}
         for label, (_, make) in policies.items():
             rows = []
             for i in seeds:
                 bar.set_postfix_str(f"{workload}/{m} {label} #{i}")
-                rows.append(run_one(make(PolicyContext(profile, m, seed=i)), profile, m, reqs[i], a.prediction, i))
+                rows.append(run_one(make(PolicyContext(profile, m, seed=i), i), profile, m, reqs[i], a.prediction, i))
                 bar.update(1)
             per[label] = {k: [r[k] for r in rows] for k in rows[0]}
         rr = per["round_robin"]
@@ -349,9 +400,11 @@ def evaluate(a: argparse.Namespace, log=print) -> dict:
                         "changes paired against round_robin on the same sample",
             "command": "benchmarks/rl_eval.py " + " ".join(a.argv), "prediction": a.prediction,
             "profile": profile.name, "seeds": a.seeds, "requests": a.requests,
-            "checkpoints": {k: {"path": str(c.path), "variant": c.metadata.get("variant"),
-                                "instances": c.num_instances, "workload": checkpoint_workload(c)}
-                            for k, c in a.ckpts.items()},
+            "checkpoints": {k: [{"path": str(c.path), "variant": c.metadata.get("variant"),
+                                 "instances": c.num_instances, "workload": checkpoint_workload(c),
+                                 "training_seconds": (c.metadata.get("training") or {}).get("seconds")}
+                                for c in cks]
+                            for k, cks in a.ckpts.items()},
             "wall_s": time.perf_counter() - t0, "settings": results}
 
 

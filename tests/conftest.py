@@ -63,3 +63,20 @@ def policy_params(name: str, num_instances: int) -> dict | None:
         save_checkpoint(path, w, {"variant": "baseline", "num_instances": num_instances})
         _CHECKPOINTS[num_instances] = path
     return {"checkpoint": _CHECKPOINTS[num_instances]}
+
+
+def split_checkpoint(folder, m: int, threshold: float, **metadata):
+    """A hand-made DQN checkpoint that never holds: prompts longer than ``threshold`` x 1,024
+    tokens (feature 1 of pw-obs-v1) go to instance 0 and the others to instance 1
+    (``threshold < 0``: every request to instance 0). Returns the folder."""
+    import numpy as np
+
+    from routerd.policies.dqn.checkpoint import save_checkpoint
+    from routerd.policies.dqn.features import obs_dim
+
+    d, a, h = obs_dim(m), m + 1, 4
+    w = {"l1.weight": np.zeros((h, d)), "l1.bias": np.zeros(h), "l2.weight": np.zeros((h, h)),
+         "l2.bias": np.zeros(h), "l3.weight": np.zeros((a, h)), "l3.bias": np.full(a, -1e6)}
+    w["l1.weight"][0, 1] = w["l2.weight"][0, 0] = w["l3.weight"][0, 0] = 1.0
+    w["l3.bias"][0], w["l3.bias"][1] = 0.0, threshold
+    return save_checkpoint(folder, w, {"variant": "baseline", "num_instances": m, **metadata})

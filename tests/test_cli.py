@@ -168,3 +168,17 @@ def test_all_requests_rejected_is_a_clear_error(tmp_path, capsys):
 def test_non_finite_or_degenerate_numbers_are_refused(tmp_path, capsys, args):
     assert main(["bench", "--limit", "10", "--no-plot", "-o", str(tmp_path)] + args) == 2
     assert capsys.readouterr().err.startswith("phasewise: error:")
+
+
+@pytest.mark.parametrize("instances, has_dqn", [(4, True), (3, False)])
+def test_bench_defaults_run_the_shipped_dqn_only_where_it_fits(tmp_path, capsys, instances, has_dqn):
+    from routerd.policies.registry import DEFAULT_BENCH_POLICIES
+
+    rc = main(["bench", "--limit", "40", "--instances", str(instances), "--no-plot", "-o", str(tmp_path)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    ran = [r["policy"] for r in json.loads((tmp_path / "bench.json").read_text())["results"]]
+    assert ran == [s for s in DEFAULT_BENCH_POLICIES if has_dqn or s != "dqn"]
+    assert ("phasewise: note: dqn left out" in err) is (not has_dqn)
+    if not has_dqn:
+        assert "4 instances" in err and "3" in err

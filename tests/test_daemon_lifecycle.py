@@ -66,6 +66,43 @@ def test_reload_swaps_policy_checkpoint_and_endpoints_with_requests_in_flight(tm
     asyncio.run(main())
 
 
+def test_an_unusable_dqn_checkpoint_at_startup_routes_round_robin_and_says_so(tmp_path, caplog):
+    """Issue #3 "Bad input": routerd starts on round robin and logs the file and the problem;
+    a reload to a good checkpoint then switches to dqn."""
+    async def main():
+        b0 = await FakeBackend("b0").start()
+        b1 = await FakeBackend("b1").start()
+        bad = tmp_path / "ck"
+        bad.mkdir()
+        (bad / "metadata.json").write_text("{not json")
+        path = tmp_path / "routerd.yaml"
+        path.write_text(_config([b0, b1], {"name": "dqn", "params": {"checkpoint": str(bad)}},
+                                reload={"watch": False}))
+        with caplog.at_level("WARNING", logger="routerd"):
+            d = Daemon(load_settings(path, environ={}), config_path=path)
+        assert d.router.policy_name == "round_robin"
+        warned = [r.getMessage() for r in caplog.records if "round robin instead" in r.getMessage()]
+        assert len(warned) == 1 and str(bad) in warned[0] and "policy: dqn" in warned[0]
+        await d.start()
+        client = openai_client(d)
+        try:
+            for _ in range(4):
+                r = await client.completions.create(model="m", prompt="p", max_tokens=1)
+                assert r.choices[0].text == "t0 "
+            assert [x[6] for x in list(d.router.decisions)[-4:]] == ["round_robin"] * 4
+            assert b0.started == b1.started == 2  # alternated
+            good = {"name": "dqn", "params": {**policy_params("dqn", 2), "allow_hold": False}}
+            path.write_text(_config([b0, b1], good, reload={"watch": False}))
+            assert await d.reload()
+            assert d.router.policy_name == "dqn"
+        finally:
+            await client.close()
+            await d.stop()
+            await b0.stop()
+            await b1.stop()
+    asyncio.run(main())
+
+
 def test_a_changed_config_file_is_picked_up_without_a_signal(tmp_path):
     async def main():
         b0 = await FakeBackend("b0").start()

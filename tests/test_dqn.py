@@ -116,3 +116,48 @@ def test_wrong_shapes_are_refused(tmp_path):
     save_checkpoint(tmp_path / "ck", w, {"variant": "baseline", "num_instances": 2})
     with pytest.raises(CheckpointError, match="l1.weight has shape"):
         load_checkpoint(tmp_path / "ck")
+
+
+def test_shipped_checkpoint_reproduces_its_recorded_held_out_figures():
+    """The default checkpoint loads for its cluster, and re-simulating held-out sample 0
+    gives exactly the figures its metadata records (so they were made by these weights)."""
+    from routerd.policies.dqn.policy import DQNPolicy
+    from routerd.policies.round_robin import RoundRobin
+    from routerd.profiles import get_profile
+    from routerd.rl import splits
+    from routerd.sim import ClusterSimulator, prepare_requests
+    from routerd.sim.report import summarize
+
+    ck = load_checkpoint("default", num_instances=4)
+    meta = ck.metadata
+    assert (meta["num_instances"], meta["profile"], meta["obs_version"]) == (4, "llama2-7b-v100", OBS_VERSION)
+    assert meta["variant"] in ("baseline", "workload-aware", "workload-guided")
+    with pytest.raises(CheckpointError, match="4 instances"):
+        load_checkpoint("default", num_instances=8)
+    ev, wl = meta["evaluation"], meta["workload"]
+    assert ev["part"] == "eval" and wl["part"] == "train"
+    row = ev["samples"][0]
+    prof = get_profile(meta["profile"])
+    from routerd.workloads.errors import WorkloadError
+
+    try:
+        reqs = splits.sample(wl["name"], "eval", 0, wl["requests_per_episode"], wl["rate"])
+    except WorkloadError as e:  # public-mix reads ../shared/data
+        pytest.skip(str(e))
+    prediction = meta["hyperparameters"]["prediction"]
+    for make, key in ((lambda c: DQNPolicy(c), "e2e_mean"), (RoundRobin, "rr_e2e_mean")):
+        prep = prepare_requests(reqs, prof, prediction=prediction, seed=0)
+        s = summarize(ClusterSimulator(prof, 4, make(PolicyContext(prof, 4, seed=0))).run(prep.requests))
+        assert s.e2e_mean == pytest.approx(row[key], rel=1e-12)
+
+
+def test_default_bench_policies_keep_dqn_only_where_the_shipped_checkpoint_fits():
+    from routerd.policies.registry import DEFAULT_BENCH_POLICIES, default_bench_policies
+
+    specs, notes = default_bench_policies(4, "llama2-7b-v100")
+    assert specs == DEFAULT_BENCH_POLICIES and "dqn" in specs and notes == []
+    specs, notes = default_bench_policies(8, "llama2-7b-v100")
+    assert "dqn" not in specs and specs == [s for s in DEFAULT_BENCH_POLICIES if s != "dqn"]
+    assert len(notes) == 1 and "dqn left out" in notes[0] and "8" in notes[0]
+    specs, notes = default_bench_policies(4, "llama2-7b-a100")
+    assert "dqn" not in specs and "llama2-7b-a100" in notes[0]

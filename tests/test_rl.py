@@ -207,3 +207,29 @@ def test_train_cli_bad_seed_is_one_line(capsys):
     assert main(["train", "--seed", "-1", "--episodes", "1", "--requests-per-episode", "5", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "seed" in err
+
+
+@pytest.mark.parametrize("argv, want", [
+    # No recipe: the CLI's own defaults (30 episodes, exploration over 20, no demonstrations).
+    ([], dict(episodes=30, explore_episodes=20, demo_policy=None, select_samples=0, pretrain_loss="dqfd")),
+    # A recipe sets every field it names ...
+    (["--recipe", "bc"], dict(episodes=6, explore_episodes=3, demo_policy="late_binding", demo_episodes=12,
+                              pretrain_steps=12_000, pretrain_loss="cross-entropy", learning_rate=1e-4,
+                              select_samples=3, eps_start=0.1)),
+    # ... explicit flags win, exploration never outlasts the episodes, '' turns demonstrations off.
+    (["--recipe", "bc", "--episodes", "2", "--select-samples", "0", "--demo-policy", ""],
+     dict(episodes=2, explore_episodes=2, demo_policy=None, select_samples=0, pretrain_steps=12_000)),
+    (["--recipe", "paper", "--episodes", "8"], dict(episodes=8, explore_episodes=8, select_samples=2)),
+])
+def test_train_cli_recipe_sets_args_and_flags_win(argv, want, monkeypatch):
+    pytest.importorskip("torch")
+    import routerd.rl.train as T
+    from routerd.cli import main
+
+    seen = []
+    monkeypatch.setattr(T, "train", lambda args, **kw: seen.append(args))
+    assert main(["train", "--quiet", *argv]) == 0
+    (args,) = seen
+    assert {k: getattr(args, k) for k in want} == want
+    # Fields no flag or recipe touches keep Args' defaults.
+    assert args.gamma == T.Args().gamma and args.batch_size == 512

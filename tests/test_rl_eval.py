@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import policy_params
+from conftest import policy_params, split_checkpoint
 from routerd.policies.base import PolicyContext
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "rl_eval.py"
@@ -99,9 +99,41 @@ def test_tiny_run_json(tmp_path, capsys):
     assert "== paper-mix/2:" in printed and "+0.0±0.0" in printed
 
 
+def test_training_seeds_route_their_own_samples(tmp_path, capsys):
+    """Under one label, held-out sample i is routed by seed folder i mod k: each per-sample
+    figure equals the one of that folder evaluated alone."""
+    a = split_checkpoint(tmp_path / "paper-baseline-m2-s0", 2, -1.0)  # every request to instance 0
+    b = split_checkpoint(tmp_path / "paper-baseline-m2-s1", 2, 0.2)  # > ~205 prompt tokens to instance 0
+    split_checkpoint(tmp_path / "paper-baseline-m3-s0", 3, 0.2)
+    (tmp_path / "paper-baseline-m2-s2").mkdir()  # unfinished run: no metadata.json
+    res = rl_eval.main(["--seeds", "3", "--requests", "60", "--settings", "paper-mix", "--instances", "2",
+                        "--policies", "round_robin", "--no-progress", "--out", str(tmp_path / "e.json"),
+                        "--checkpoint", f"a={a}", "--checkpoint", f"b={b}", "--table-dir", str(tmp_path)])
+    capsys.readouterr()
+    (s,) = res["settings"]
+    pol = s["policies"]
+    assert list(pol) == ["round_robin", "dqn a", "dqn b", "dqn paper baseline"]
+    seeds = pol["dqn paper baseline"]["per_sample"]["e2e_mean"]
+    alone_a, alone_b = pol["dqn a"]["per_sample"]["e2e_mean"], pol["dqn b"]["per_sample"]["e2e_mean"]
+    assert alone_a != alone_b  # the two networks route differently, so the check below can fail
+    assert seeds == [alone_a[0], alone_b[1], alone_a[2]]
+    # The 3-instance folder is kept for 3-instance settings; the unfinished one is left out.
+    assert [c["instances"] for c in res["checkpoints"]["paper baseline"]] == [2, 2, 3]
+    assert any("2 training seeds" in n for n in s["notes"])
+
+
+def test_table_dir_refuses_an_empty_folder(tmp_path):
+    with pytest.raises(rl_eval.UsageError, match="no finished"):
+        rl_eval.table_dir_items(str(tmp_path))
+    with pytest.raises(rl_eval.UsageError, match="not a folder"):
+        rl_eval.table_dir_items(str(tmp_path / "missing"))
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--checkpoint", "b=/nonexistent/ck"], "/nonexistent/ck"),
     (["--checkpoint", "nolabel"], "LABEL=DIR"),
+    (["--checkpoint", "x=,"], "LABEL=DIR"),
+    (["--table-dir", "/nonexistent/t"], "/nonexistent/t"),
     (["--settings", "nope"], "nope"),
     (["--seeds", "1"], "--seeds"),
     (["--policies", "min_min"], "round_robin"),

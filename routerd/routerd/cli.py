@@ -68,19 +68,9 @@ def _split_specs(text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-def _default_specs(instances: int) -> list[str]:
-    """The default policy list; ``dqn`` only when the shipped checkpoint fits ``instances``."""
-    from routerd.policies.dqn.checkpoint import CheckpointError, load_checkpoint
-    from routerd.policies.registry import DEFAULT_BENCH_POLICIES
-
-    specs = list(DEFAULT_BENCH_POLICIES)
-    if "dqn" in specs:
-        try:
-            load_checkpoint("default", num_instances=instances)
-        except CheckpointError as e:
-            specs.remove("dqn")
-            print(f"phasewise: note: dqn left out: {e}", file=sys.stderr)
-    return specs
+def _print_notes(notes: list[str]) -> None:
+    for note in notes:
+        print(f"phasewise: note: {note}", file=sys.stderr)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -94,7 +84,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if not (1e-4 <= args.action_interval < float("inf")):
         raise UsageError(f"--action-interval must be a finite number of seconds >= 1e-4, got {args.action_interval}")
     profile = get_profile(args.profile)
-    specs = _split_specs(args.policies) if args.policies is not None else _default_specs(args.instances)
+    # The 8-request study runs on 2 instances whatever --instances says.
+    m = 2 if args.study8 else args.instances
+    if args.policies is not None:
+        specs, notes = _split_specs(args.policies), []
+    else:
+        from routerd.policies.registry import default_bench_policies
+
+        # ``dqn`` only where the shipped checkpoint fits; the notes are printed once the input is valid.
+        specs, notes = default_bench_policies(m, profile.name)
     if not specs:
         raise UsageError("--policies is empty")
     if not args.prediction.startswith("predictor:"):
@@ -109,6 +107,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except OSError as e:
         raise UsageError(f"--out {out}: cannot create the folder ({e.strerror})") from None
     if args.study8:
+        _print_notes(notes)
         study = eight_request_study(profile, specs, seed=args.seed, prediction=args.prediction)
         print(format_study(study))
         out.mkdir(parents=True, exist_ok=True)
@@ -136,6 +135,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--prediction given: workload {wl.name!r} carries no predictions; "
                          "use --prediction predictor:SPEC (majority, task-prior, length-only, "
                          "length+task or a trained model folder)")
+    _print_notes(notes)
     progress_factory = _progress_factory()
     bench = run_bench(requests, profile, args.instances, specs, workload_name=wl.name,
                       prediction=prediction, seed=args.seed, action_interval_s=args.action_interval,
@@ -174,6 +174,7 @@ def _progress_factory():
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
+    from routerd.rl.recipes import RECIPES
     from routerd.rl.reward import REWARD_VARIANTS
 
     p = sub.add_parser(
@@ -186,7 +187,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", "-w", default="public-mix", help="training workload name")
     p.add_argument("--instances", "-m", type=int, default=DEFAULT_INSTANCES)
     p.add_argument("--profile", "-p", default=DEFAULT_PROFILE)
-    p.add_argument("--episodes", type=int, default=30)
+    p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                   help="a named preset of the settings below (routerd.rl.recipes; 'bc' made the shipped "
+                        "checkpoint); flags given explicitly win")
+    p.add_argument("--episodes", type=int, default=None, help="training episodes (default 30)")
     p.add_argument("--requests-per-episode", type=int, default=1000)
     p.add_argument("--rate", type=float, default=20.0, help="episode arrival rate (req/s); 0 keeps a trace's rate")
     p.add_argument("--prediction", default="true")
@@ -195,12 +199,14 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", "-o", default="checkpoints/dqn", help="checkpoint folder to write")
     p.add_argument("--demo-policy", default=None,
                    help="heuristic whose routing is learned from first (DQfD pre-training; e.g. late_binding)")
-    p.add_argument("--demo-episodes", type=int, default=6, help="episodes demonstrated by --demo-policy")
-    p.add_argument("--pretrain-steps", type=int, default=3000, help="gradient steps on the demonstrations alone")
-    p.add_argument("--pretrain-loss", default="dqfd", choices=["dqfd", "cross-entropy"],
-                   help="dqfd (TD + large margin) or cross-entropy (behaviour cloning)")
-    p.add_argument("--select-samples", type=int, default=0,
-                   help="validation samples from the training part used to keep the best weights (0: keep the last)")
+    p.add_argument("--demo-episodes", type=int, default=None, help="episodes demonstrated by --demo-policy (default 6)")
+    p.add_argument("--pretrain-steps", type=int, default=None,
+                   help="gradient steps on the demonstrations alone (default 3000)")
+    p.add_argument("--pretrain-loss", default=None, choices=["dqfd", "cross-entropy"],
+                   help="dqfd (TD + large margin; default) or cross-entropy (behaviour cloning)")
+    p.add_argument("--select-samples", type=int, default=None,
+                   help="validation samples from the training part used to keep the best weights "
+                        "(default 0: keep the last)")
     p.add_argument("--quiet", action="store_true", help="no per-episode log or progress bar")
 
 
@@ -210,21 +216,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except ImportError:
         raise UsageError("phasewise train needs torch: pip install -e '.[rl]'") from None
     from routerd.profiles import get_profile
+    from routerd.rl.recipes import RECIPES
     from routerd.rl.splits import GENERATORS
     from routerd.rl.train import Args, train
     from routerd.sim.prepare import parse_prediction
     from routerd.workloads.registry import load_workload
 
-    if args.instances < 1 or args.episodes < 1 or args.requests_per_episode < 1:
+    settings: dict = {"episodes": 30, "demo_episodes": 6, "pretrain_steps": 3000, "pretrain_loss": "dqfd",
+                      "select_samples": 0, "demo_policy": None, "explore_episodes": 20}
+    settings.update(RECIPES[args.recipe] if args.recipe else {})
+    for key in ("episodes", "demo_episodes", "pretrain_steps", "pretrain_loss", "select_samples", "demo_policy"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    settings["demo_policy"] = settings["demo_policy"] or None  # --demo-policy '' turns a recipe's off
+    settings["explore_episodes"] = min(settings["explore_episodes"], settings["episodes"])
+    if args.instances < 1 or settings["episodes"] < 1 or args.requests_per_episode < 1:
         raise UsageError("--instances, --episodes and --requests-per-episode must be >= 1")
-    if args.demo_episodes < 1 or args.pretrain_steps < 0 or args.select_samples < 0:
+    if settings["demo_episodes"] < 1 or settings["pretrain_steps"] < 0 or settings["select_samples"] < 0:
         raise UsageError("--demo-episodes must be >= 1; --pretrain-steps and --select-samples >= 0")
-    if args.demo_policy:
+    if settings["demo_policy"]:
         from routerd.policies.registry import build_policy_from_spec
         from routerd.policies.base import PolicyContext
 
         # A bad policy spec fails here, before any training time is spent.
-        build_policy_from_spec(args.demo_policy, PolicyContext(get_profile(args.profile), args.instances))
+        build_policy_from_spec(settings["demo_policy"], PolicyContext(get_profile(args.profile), args.instances))
     if args.rate is not None and args.rate < 0:
         raise UsageError(f"--rate must be >= 0, got {args.rate}")
     get_profile(args.profile)
@@ -233,11 +248,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     n_check = 1 if args.workload in GENERATORS else None
     load_workload(args.workload, n=n_check, limit=1, data_dir=args.data_dir)
     a = Args(variant=args.variant, workload=args.workload, instances=args.instances, profile=args.profile,
-             episodes=args.episodes, requests_per_episode=args.requests_per_episode,
-             rate=args.rate or None, prediction=args.prediction, seed=args.seed, data_dir=args.data_dir,
-             output=args.output, explore_episodes=min(20, args.episodes), demo_policy=args.demo_policy or None,
-             demo_episodes=args.demo_episodes, pretrain_steps=args.pretrain_steps, pretrain_loss=args.pretrain_loss,
-             select_samples=args.select_samples)
+             requests_per_episode=args.requests_per_episode, rate=args.rate or None, prediction=args.prediction,
+             seed=args.seed, data_dir=args.data_dir, output=args.output, **settings)
     log = (lambda _msg: None) if args.quiet else print
     try:
         train(a, log=log, progress=not args.quiet and sys.stderr.isatty())

@@ -24,11 +24,11 @@ from aiohttp import web
 
 from routerd.errors import ConfigError
 from routerd.model import PREDICTOR_BUCKET_EDGES, bucket_of
-from routerd.daemon.config import Settings, load_settings
+from routerd.daemon.config import PolicyConfig, Settings, load_settings
 from routerd.daemon.discovery import DiscoveredEndpoint
 from routerd.daemon.metrics import Metrics
 from routerd.daemon.proxy import Proxy
-from routerd.daemon.router import Router, build_routing_policy
+from routerd.daemon.router import CheckpointConfigError, Router, build_routing_policy
 
 log = logging.getLogger("routerd")
 
@@ -61,13 +61,29 @@ def load_length_predictor(spec: str):
 
 
 class _Built:
-    """Everything derived from settings that can fail, built before anything is swapped."""
+    """Everything derived from settings that can fail, built before anything is swapped.
 
-    def __init__(self, settings: Settings, num_endpoints: int) -> None:
+    At startup (``startup=True``) a ``dqn`` policy whose checkpoint is missing, corrupt or
+    made for another observation layout does not stop routerd: it routes round robin and
+    logs why (issue #3, "Bad input"); ``policy_name`` then says ``round_robin``. On a
+    reload the error is raised instead, so the running configuration is kept.
+    """
+
+    def __init__(self, settings: Settings, num_endpoints: int, *, startup: bool = False) -> None:
         self.profile = load_profile(settings.profile)
         self.predictor = load_length_predictor(settings.predictor)
         self.edges = tuple(self.predictor.edges) if self.predictor is not None else PREDICTOR_BUCKET_EDGES
-        self.policy = build_routing_policy(settings.policy, self.profile, num_endpoints, self.edges)
+        self.policy_name = settings.policy.name
+        try:
+            self.policy = build_routing_policy(settings.policy, self.profile, num_endpoints, self.edges)
+        except CheckpointConfigError as e:
+            if not startup:
+                raise
+            log.warning("%s; routing round robin instead until the checkpoint is fixed and the "
+                        "configuration reloaded", e)
+            self.policy_name = "round_robin"
+            self.policy = build_routing_policy(PolicyConfig(name="round_robin"), self.profile, num_endpoints,
+                                               self.edges)
 
 
 class Daemon:
@@ -89,12 +105,12 @@ class Daemon:
         self.config_path = Path(config_path) if config_path is not None else None
         self._overrides = reload_overrides or {}
         self._override_flags = reload_override_flags or {}
-        built = _Built(settings, len(settings.endpoints))
+        built = _Built(settings, len(settings.endpoints), startup=True)
         self.profile = built.profile
         self.predictor = built.predictor
         self._predictor_blocking = self._is_blocking(self.predictor)
         self.metrics = Metrics()
-        self.router = Router(profile=self.profile, policy=built.policy, policy_name=settings.policy.name,
+        self.router = Router(profile=self.profile, policy=built.policy, policy_name=built.policy_name,
                              metrics=self.metrics, config=settings.router, state_max_age_s=settings.state.max_age_s,
                              bucket_edges=built.edges)
         self.router.failure_cooldown_s = settings.upstream.failure_cooldown_s

@@ -69,6 +69,10 @@ class DrainingError(RejectedError):
     reason = "draining"
 
 
+class CheckpointConfigError(ConfigError):
+    """The ``dqn`` policy's checkpoint is missing, corrupt or made for another observation layout."""
+
+
 def build_routing_policy(cfg: "PolicyConfig", profile: "HardwareProfile", num_endpoints: int,
                          bucket_edges: tuple[int, ...] = PREDICTOR_BUCKET_EDGES) -> RoutingPolicy:
     """The policy named in ``cfg`` for a cluster of ``num_endpoints`` instances.
@@ -78,7 +82,8 @@ def build_routing_policy(cfg: "PolicyConfig", profile: "HardwareProfile", num_en
     ``fallbacks``) instead of refusing to start when an endpoint leaves or joins.
 
     Raises:
-        ConfigError: unknown policy, invalid parameter, unusable checkpoint (``policy: ...``).
+        ConfigError: unknown policy, invalid parameter (``policy: ...``);
+            :class:`CheckpointConfigError` for an unusable ``dqn`` checkpoint.
     """
     from routerd.policies.registry import PolicyError, build_policy
 
@@ -89,7 +94,7 @@ def build_routing_policy(cfg: "PolicyConfig", profile: "HardwareProfile", num_en
         try:
             n = load_checkpoint(str(cfg.params.get("checkpoint", DEFAULT_CHECKPOINT))).num_instances
         except CheckpointError as e:
-            raise ConfigError(f"policy: dqn: {e}") from None
+            raise CheckpointConfigError(f"policy: dqn: {e}") from None
     ctx = PolicyContext(profile=profile, num_instances=n, bucket_edges=tuple(bucket_edges))
     try:
         return build_policy(cfg.name, dict(cfg.params), ctx)

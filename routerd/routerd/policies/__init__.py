@@ -21,6 +21,7 @@ from routerd.policies.registry import (
     PolicyError,
     build_policy,
     build_policy_from_spec,
+    default_bench_policies,
     parse_policy_spec,
     policy_names,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "StaticInstanceView",
     "build_policy",
     "build_policy_from_spec",
+    "default_bench_policies",
     "parse_policy_spec",
     "policy_names",
 ]

@@ -53,10 +53,34 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
 """Every routing policy by its ``name``."""
 
 DEFAULT_BENCH_POLICIES: list[str] = [
-    name for name, cls in POLICIES.items() if not cls.oracle and name != "dqn"
+    name for name, cls in POLICIES.items() if not cls.oracle
 ] + ["oracle"]
-"""Policies a benchmark runs unless told otherwise: every non-oracle one, then ``oracle``.
-``dqn`` joins once a trained default checkpoint ships (issue #3)."""
+"""Policies a benchmark runs unless told otherwise: every non-oracle one (``dqn`` with the
+checkpoint shipped for 4 instances of llama2-7b-v100), then ``oracle``. Use
+:func:`default_bench_policies`, which leaves ``dqn`` out where that checkpoint does not fit."""
+
+
+def default_bench_policies(num_instances: int, profile: str | None = None) -> tuple[list[str], list[str]]:
+    """:data:`DEFAULT_BENCH_POLICIES` for ``num_instances`` instances of ``profile``, and notes.
+
+    ``dqn`` stays only when the shipped checkpoint loads, was trained for
+    ``num_instances`` instances and (when ``profile`` is given) on that hardware profile;
+    otherwise it is left out and a one-line note says why. Returns ``(specs, notes)``.
+    """
+    from routerd.policies.dqn.checkpoint import DEFAULT_CHECKPOINT, CheckpointError, load_checkpoint
+
+    specs, notes = list(DEFAULT_BENCH_POLICIES), []
+    if "dqn" in specs:
+        try:
+            ck = load_checkpoint(DEFAULT_CHECKPOINT, num_instances=num_instances)
+            trained_on = ck.metadata.get("profile")
+            if profile is not None and trained_on != profile:
+                raise CheckpointError(f"checkpoint {ck.path}: trained on profile {trained_on}, "
+                                      f"the benchmark uses {profile}")
+        except CheckpointError as e:
+            specs.remove("dqn")
+            notes.append(f"dqn left out: {e}")
+    return specs, notes
 
 
 def policy_names() -> list[str]:
