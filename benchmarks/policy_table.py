@@ -46,7 +46,11 @@ def setting(name: str, workload: str, profile_name: str, n: int, seeds: int, loa
         rate = load * round_robin_capacity(reqs, profile, m)
         rates.append(rate)
         reqs = rescale_to_rate(reqs, rate)
-        bench = run_bench(reqs, profile, m, default_bench_policies(m, profile.name)[0], workload_name=workload, seed=seed)
+        specs, notes = default_bench_policies(m, profile.name)
+        if seed == 0:
+            for note in notes:
+                print(f"note: {note}")
+        bench = run_bench(reqs, profile, m, specs, workload_name=workload, seed=seed)
         for r in bench.results:
             d = per_policy.setdefault(r.spec, {k: [] for k in METRICS})
             for k in METRICS:

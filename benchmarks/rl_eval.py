@@ -222,10 +222,11 @@ def validate(a: argparse.Namespace) -> None:
             except ValueError as e:  # WorkloadError (missing data), or a held-out part shorter than n
                 raise UsageError(f"--settings {workload}: {e}") from None
     for spec in a.policies:
-        try:
-            build_policy_from_spec(spec, PolicyContext(a.profile_obj, 2))
-        except PolicyError as e:
-            raise UsageError(f"--policies: {e}") from None
+        for m in a.instances:  # e.g. dqn's checkpoint fits one instance count only
+            try:
+                build_policy_from_spec(spec, PolicyContext(a.profile_obj, m))
+            except PolicyError as e:
+                raise UsageError(f"--policies: {e}") from None
     items = list(a.checkpoint)
     if a.table_dir is not None:
         items += table_dir_items(a.table_dir)
@@ -238,6 +239,10 @@ def validate(a: argparse.Namespace) -> None:
             raise UsageError(f"--checkpoint expects LABEL=DIR[,DIR...], got {item!r}")
         if label in a.ckpts or label in a.policies:
             raise UsageError(f"--checkpoint label {label!r} is used twice")
+        seen = [Path(f).resolve() for f in folders]
+        if len(set(seen)) != len(seen):
+            # Each folder stands for one training seed; a repeat would weigh one seed twice.
+            raise UsageError(f"--checkpoint {label}: a folder is listed twice")
         try:
             a.ckpts[label] = [load_checkpoint(f) for f in folders]
         except CheckpointError as e:

@@ -82,13 +82,26 @@ def pick(out: str, m: int, samples: int = 3) -> tuple[str, list[tuple[float, str
     from routerd.profiles import get_profile
     from routerd.rl.train import SELECT_INDEX_BASE, Args, greedy_e2e
 
-    scores = []
-    for d in sorted(Path(out).iterdir()):
+    from routerd.policies.dqn.checkpoint import CheckpointError
+    from routerd.profiles import ProfileError
+
+    root = Path(out)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{out}: not a folder")
+    scores, skipped = [], []
+    for d in sorted(root.iterdir()):
         if re.fullmatch(rf"[a-z0-9_]+-[a-z-]+-m{m}-s[0-9]+", d.name) and (d / "metadata.json").is_file():
-            ck = load_checkpoint(d, num_instances=m)
-            args = Args(instances=m, rate=RATE_PER_INSTANCE * m, profile=ck.metadata["profile"])
+            try:
+                ck = load_checkpoint(d, num_instances=m)
+                profile = get_profile(str(ck.metadata.get("profile") or Args.profile))
+            except (CheckpointError, ProfileError) as e:
+                skipped.append(f"skipped: {e}")
+                continue
+            args = Args(instances=m, rate=RATE_PER_INSTANCE * m, profile=profile.name)
             idx = [SELECT_INDEX_BASE + i for i in range(samples)]
-            scores.append((greedy_e2e(ck.weights, get_profile(args.profile), m, args, "train", idx), str(d)))
+            scores.append((greedy_e2e(ck.weights, profile, m, args, "train", idx), str(d)))
+    for note in skipped:
+        print(note, file=sys.stderr)
     if not scores:
         raise FileNotFoundError(f"{out}: no finished run for {m} instances")
     scores.sort()
@@ -123,18 +136,44 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print("rl_train_table.py: error: --seeds and --instances are comma lists of integers", file=sys.stderr)
         return 2
-    recipes = [r.strip() for r in a.recipes.split(",") if r.strip()]
-    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    bad = [r for r in recipes if r not in RECIPES] + [v for v in variants if v not in REWARD_VARIANTS]
-    if bad or not seeds or not ms or min(ms) < 1 or a.workers < 1:
-        print(f"rl_train_table.py: error: unknown or empty {', '.join(bad) or 'seeds/instances/workers'}; "
-              f"recipes: {', '.join(RECIPES)}; variants: {', '.join(REWARD_VARIANTS)}", file=sys.stderr)
+    recipes = list(dict.fromkeys(r.strip() for r in a.recipes.split(",") if r.strip()))
+    variants = list(dict.fromkeys(v.strip() for v in a.variants.split(",") if v.strip()))
+    seeds, ms = list(dict.fromkeys(seeds)), list(dict.fromkeys(ms))
+    problems = [f"unknown recipe {r!r} (recipes: {', '.join(RECIPES)})" for r in recipes if r not in RECIPES]
+    problems += [f"unknown variant {v!r} (variants: {', '.join(REWARD_VARIANTS)})"
+                 for v in variants if v not in REWARD_VARIANTS]
+    if not seeds or min(seeds) < 0 or max(seeds) >= 2**32:
+        problems.append(f"--seeds must be integers in 0..2**32-1, got {a.seeds!r}")
+    if not ms or min(ms) < 1:
+        problems.append(f"--instances must be integers >= 1, got {a.instances!r}")
+    if a.workers < 1:
+        problems.append(f"--workers must be >= 1, got {a.workers}")
+    jobs = [(r, v, m, s) for m in ms for r in recipes if r in RECIPES for v in RECIPE_VARIANTS[r] if v in variants
+            for s in seeds]
+    if not problems and not jobs:
+        problems.append(f"no run: recipes {', '.join(recipes) or '(none)'} have no variant in "
+                        f"{', '.join(variants) or '(none)'} (bc trains workload-guided only)")
+    if not problems:
+        from routerd.rl.train import Args, check_sample_indices
+
+        for r, v, m, s in jobs:  # seeds whose sample indices collide fail now, not in a worker
+            try:
+                check_sample_indices(Args(variant=v, instances=m, seed=s, **RECIPES[r]))
+            except ValueError as e:
+                problems.append(f"{run_name(r, v, m, s)}: {e}")
+                break
+    if problems:
+        print(f"rl_train_table.py: error: {problems[0]}", file=sys.stderr)
         return 2
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    jobs = [(r, v, m, s) for m in ms for r in recipes for v in RECIPE_VARIANTS[r] if v in variants for s in seeds]
+    try:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"rl_train_table.py: error: --out {a.out}: cannot create the folder ({e.strerror})", file=sys.stderr)
+        return 2
     todo = [j for j in jobs if not (Path(a.out) / run_name(*j) / "metadata.json").exists()]
     print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already done, {a.workers} workers", flush=True)
     t0 = time.perf_counter()
+    failed = 0
     with ProcessPoolExecutor(a.workers) as pool:
         futs = {pool.submit(train_one, *j, a.out): j for j in todo}
         for fut in as_completed(futs):
@@ -142,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
                 folder, secs, last = fut.result()
                 print(f"{folder}: {secs:.0f} s; {last}", flush=True)
             except Exception as e:  # one failed run must not lose the others
+                failed += 1
                 print(f"{run_name(*futs[fut])}: FAILED: {type(e).__name__}: {e}", flush=True)
-    print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
-    return 0
+    print(f"done in {time.perf_counter() - t0:.0f} s; {failed} of {len(todo)} runs failed", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -182,3 +182,20 @@ def test_bench_defaults_run_the_shipped_dqn_only_where_it_fits(tmp_path, capsys,
     assert ("phasewise: note: dqn left out" in err) is (not has_dqn)
     if not has_dqn:
         assert "4 instances" in err and "3" in err
+
+
+def test_a_named_dqn_trained_on_another_profile_runs_with_a_note(tmp_path, capsys):
+    rc = main(["bench", "--limit", "20", "--policies", "round_robin;dqn", "--profile", "llama2-7b-a100",
+               "--no-plot", "-o", str(tmp_path)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "phasewise: note: dqn: checkpoint" in err and "trained on profile llama2-7b-v100" in err
+    assert "the benchmark uses llama2-7b-a100" in err
+
+
+def test_a_comma_list_with_parameters_hints_at_semicolons(tmp_path, capsys):
+    rc = main(["bench", "--limit", "10", "--policies", "round_robin,dqn:checkpoint=x", "--no-plot",
+               "-o", str(tmp_path)])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "separate policies with ';'" in err

@@ -38,7 +38,8 @@ def assert_matches_scan(ep: EndpointState) -> None:
     assert outstanding_tokens(ep) == outstanding_tokens(ref)
     kept = ep.outstanding_tokens()
     inexact = any(r.predicted_output_tokens == 100.1 for r in ref.requests)
-    assert (kept is None) == inexact
+    blind = any(r.blind and not r.first_token for r in ep.requests.values())
+    assert (kept is None) == (inexact or blind)
     if kept is not None:
         assert kept == outstanding_tokens(ref)
 
@@ -50,8 +51,8 @@ def assert_released(ep: EndpointState) -> None:
     assert ep.load_summary() == summarize_residents(())
     assert ep.outstanding_tokens() == outstanding_tokens(empty)
     assert ep.waiting_kv_blocks() == waiting_kv_blocks(empty)
-    assert (ep._prefill, ep._prefill_blocks, ep._sum_tokens, ep._sum_pred, ep._outstanding, ep._n_inexact) == (
-        {}, 0, 0, 0.0, 0.0, 0)
+    assert (ep._prefill, ep._prefill_blocks, ep._sum_tokens, ep._sum_pred, ep._outstanding, ep._n_inexact,
+            ep._n_blind) == ({}, 0, 0, 0.0, 0.0, 0, 0)
     assert all(not g.members for g in ep._groups.values())
 
 
@@ -73,6 +74,7 @@ def test_o1_aggregates_equal_a_scan_after_every_event_and_return_to_zero(seq, rn
         r = reqs.get(k)
         if op == "add" and r is None:
             r = reqs[k] = Inflight(k, k, 1 + n, a % 4, PREDICTIONS[a % len(PREDICTIONS)], now)
+            r.blind = n % 3 == 0  # a non-streaming request: its first token is seen only at the end
             eps[e].add(r, now)
         elif op == "first" and r is not None:
             r.endpoint.on_first_token(r)
@@ -135,3 +137,32 @@ def test_load_summary_is_shared_until_the_next_event():
     ep.refresh(0.0, MAX_AGE_S)
     assert ep.load_summary() is not first
     assert ep.load_summary() == summarize_residents(ep.residents())
+
+
+def test_non_streaming_requests_in_running_slots_count_as_decoding():
+    """routerd never sees a non-streaming request's first token. While vLLM counts it as
+    running it is decoding in the observation (as in the simulator); beyond the running
+    count it waits. Streaming requests keep the first-token rule."""
+    from routerd.policies.base import LoadSummary
+
+    ep = EndpointState(0, "e", "http://h:1", "h:2", True, toy_profile())
+    blind = [Inflight(i, i, 100, 0, 125.0, 0.0) for i in range(3)]  # bin 0 (< 256 tokens)
+    streamed = Inflight(7, 7, 100, 2, 2500.0, 0.0)  # bin 2, no first token yet
+    for r in blind:
+        r.blind = True
+        ep.add(r, 0.0)
+    ep.add(streamed, 0.0)
+    ep.set_snapshot(InstanceState(healthy=True, num_requests_running=2, num_requests_waiting=2), 0.0)
+    ep.refresh(0.0, MAX_AGE_S)
+    # Running slots go in dispatch order: blind 0 and 1 decode; blind 2 and the stream wait.
+    assert ep.load_summary() == LoadSummary(2, (2, 0, 0), 125.0, 4, 4 * 100 + 3 * 125.0 + 2500.0)
+    ep.set_snapshot(InstanceState(healthy=True, num_requests_running=4), 0.0)
+    ep.refresh(0.0, MAX_AGE_S)
+    # All four run: the three blind ones decode, the stream is in prefill until its first token.
+    assert ep.load_summary() == LoadSummary(1, (3, 0, 0), 125.0, 4, 4 * 100 + 3 * 125.0 + 2500.0)
+    ep.on_first_token(streamed)
+    assert ep.load_summary() == LoadSummary(0, (3, 0, 1), 125.0, 4, 4 * 100 + 3 * 125.0 + 2500.0)
+    for r in (*blind, streamed):
+        ep.remove(r)
+    ep.refresh(0.0, MAX_AGE_S)
+    assert_released(ep)

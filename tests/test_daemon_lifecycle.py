@@ -66,7 +66,7 @@ def test_reload_swaps_policy_checkpoint_and_endpoints_with_requests_in_flight(tm
     asyncio.run(main())
 
 
-def test_an_unusable_dqn_checkpoint_at_startup_routes_round_robin_and_says_so(tmp_path, caplog):
+def test_an_unusable_dqn_checkpoint_at_startup_routes_round_robin_and_says_so(tmp_path, caplog, monkeypatch):
     """Issue #3 "Bad input": routerd starts on round robin and logs the file and the problem;
     a reload to a good checkpoint then switches to dqn."""
     async def main():
@@ -83,7 +83,10 @@ def test_an_unusable_dqn_checkpoint_at_startup_routes_round_robin_and_says_so(tm
         assert d.router.policy_name == "round_robin"
         warned = [r.getMessage() for r in caplog.records if "round robin instead" in r.getMessage()]
         assert len(warned) == 1 and str(bad) in warned[0] and "policy: dqn" in warned[0]
-        await d.start()
+        with caplog.at_level("INFO", logger="routerd"):
+            await d.start()
+        assert any("policy round_robin (configured dqn: its checkpoint is unusable)" in r.getMessage()
+                   for r in caplog.records)
         client = openai_client(d)
         try:
             for _ in range(4):
@@ -95,6 +98,18 @@ def test_an_unusable_dqn_checkpoint_at_startup_routes_round_robin_and_says_so(tm
             path.write_text(_config([b0, b1], good, reload={"watch": False}))
             assert await d.reload()
             assert d.router.policy_name == "dqn"
+            # Any failure while building a reload is refused and counted; routerd keeps serving.
+            import routerd.daemon.app as app_module
+
+            def broken(*a, **k):
+                raise RuntimeError("disk on fire")
+
+            monkeypatch.setattr(app_module, "_Built", broken)
+            assert not await d.reload()
+            assert d.router.policy_name == "dqn"
+            assert sample(d, "phasewise_config_reloads_total", result="error") == 1
+            r = await client.completions.create(model="m", prompt="p", max_tokens=1)
+            assert r.choices[0].text == "t0 "
         finally:
             await client.close()
             await d.stop()
@@ -184,3 +199,17 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_zero(tmp_p
                 await proc.wait()
             await b0.stop()
     asyncio.run(main())
+
+
+def test_dqn_for_another_cluster_size_is_named_at_startup(tmp_path, caplog):
+    class _Addr:  # endpoints are only named here; nothing connects before start()
+        def __init__(self, name, port):
+            self.name, self.url = name, f"http://127.0.0.1:{port}"
+
+    path = tmp_path / "routerd.yaml"
+    path.write_text(_config([_Addr("a", 1), _Addr("b", 2)], {"name": "dqn"}))  # the shipped 4-instance one
+    with caplog.at_level("WARNING", logger="routerd"):
+        d = Daemon(load_settings(path, environ={}), config_path=path)
+    assert d.router.policy_name == "dqn"
+    said = [r.getMessage() for r in caplog.records]
+    assert any("trained for 4 instances and 2 endpoints are configured" in m for m in said)

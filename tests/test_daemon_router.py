@@ -279,7 +279,7 @@ def test_dqn_is_built_for_its_checkpoint_and_rejects_a_bad_one(tmp_path):
         build_routing_policy(PolicyConfig(name="late_binding", params={"reserve_fraction": "2"}), toy_profile(), 2)
 
 
-def test_numpy_choices_are_accepted_and_dqn_on_another_cluster_size_is_counted():
+def test_numpy_choices_are_accepted_and_dqn_on_another_cluster_size_is_counted(caplog):
     async def main():
         import numpy as np
 
@@ -296,7 +296,12 @@ def test_numpy_choices_are_accepted_and_dqn_on_another_cluster_size_is_counted()
         assert value(r, "phasewise_fallbacks_total", reason="invalid_choice") == 0
         # A dqn checkpoint for 4 instances on a 2-instance cluster routes round robin itself.
         r2 = make_router("dqn", params=policy_params("dqn", 4))
-        got = [(await r2.dispatch(r2.new_request(5, None))).name for _ in range(4)]
+        with caplog.at_level("WARNING", logger="routerd"):
+            got = [(await r2.dispatch(r2.new_request(5, None))).name for _ in range(4)]
         assert got == ["e0", "e1", "e0", "e1"]
         assert value(r2, "phasewise_fallbacks_total", reason="policy_fallback") == 4
+        # Said once per cluster size, naming both sizes.
+        said = [m.getMessage() for m in caplog.records if "built for" in m.getMessage()]
+        assert said == ["policy dqn was built for 4 instances and 2 are ready; routing round robin while the "
+                        "sizes differ (counted in phasewise_fallbacks_total{reason=\"policy_fallback\"})"]
     asyncio.run(main())

@@ -118,6 +118,63 @@ def test_wrong_shapes_are_refused(tmp_path):
         load_checkpoint(tmp_path / "ck")
 
 
+@pytest.mark.parametrize("tensor, bad, needle", [
+    ("l2.bias", float("nan"), "non-finite"),
+    ("l1.weight", float("inf"), "non-finite"),
+    ("l3.weight", None, "dtype int64"),
+])
+def test_non_finite_or_integer_weights_are_refused(tmp_path, tensor, bad, needle):
+    w = _weights(obs_dim(2), 3)
+    if bad is None:
+        w[tensor] = np.ones(w[tensor].shape, dtype=np.int64)
+        from safetensors.numpy import save_file
+
+        save_checkpoint(tmp_path / "ck", _weights(obs_dim(2), 3), {"variant": "baseline", "num_instances": 2})
+        save_file(w, str(tmp_path / "ck" / "model.safetensors"))  # save_checkpoint would cast to float32
+    else:
+        w[tensor] = w[tensor].copy()
+        w[tensor].flat[0] = bad
+        save_checkpoint(tmp_path / "ck", w, {"variant": "baseline", "num_instances": 2})
+    with pytest.raises(CheckpointError, match=needle) as e:
+        load_checkpoint(tmp_path / "ck")
+    assert str(tmp_path / "ck") in str(e.value) and tensor in str(e.value)
+
+
+def _write_bf16_safetensors(path, names_shapes) -> None:
+    """A safetensors file of bfloat16 zeros, written by hand (numpy has no bfloat16)."""
+    import struct
+
+    header, offset = {}, 0
+    for name, shape in names_shapes.items():
+        n = 2 * int(np.prod(shape))
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+
+
+def test_a_bfloat16_checkpoint_is_a_one_line_checkpoint_error(tmp_path):
+    w = _weights(obs_dim(2), 3)
+    save_checkpoint(tmp_path / "ck", w, {"variant": "baseline", "num_instances": 2})
+    _write_bf16_safetensors(tmp_path / "ck" / "model.safetensors", {k: v.shape for k, v in w.items()})
+    with pytest.raises(CheckpointError, match="numpy cannot read") as e:
+        load_checkpoint(tmp_path / "ck")
+    assert str(tmp_path / "ck") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_deeply_nested_metadata_is_a_checkpoint_error(tmp_path):
+    save_checkpoint(tmp_path / "ck", _weights(obs_dim(2), 3), {"variant": "baseline", "num_instances": 2})
+    (tmp_path / "ck" / "metadata.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="nested too deeply"):
+        load_checkpoint(tmp_path / "ck")
+
+
+def test_a_boolean_instance_count_is_refused(tmp_path):
+    save_checkpoint(tmp_path / "ck", _weights(obs_dim(1), 2), {"variant": "baseline", "num_instances": True})
+    with pytest.raises(CheckpointError, match="num_instances=True"):
+        load_checkpoint(tmp_path / "ck")
+
+
 def test_shipped_checkpoint_reproduces_its_recorded_held_out_figures():
     """The default checkpoint loads for its cluster, and re-simulating held-out sample 0
     gives exactly the figures its metadata records (so they were made by these weights)."""

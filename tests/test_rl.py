@@ -233,3 +233,19 @@ def test_train_cli_recipe_sets_args_and_flags_win(argv, want, monkeypatch):
     assert {k: getattr(args, k) for k in want} == want
     # Fields no flag or recipe touches keep Args' defaults.
     assert args.gamma == T.Args().gamma and args.batch_size == 512
+
+
+def test_train_cli_refuses_an_unwritable_output_before_training(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("torch")
+    import routerd.rl.train as T
+    from routerd.cli import main
+
+    monkeypatch.setattr(T, "train", lambda *a, **k: pytest.fail("training started"))
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for out, needle in ((f, "exists and is not a folder"), (f / "sub", "is not a folder")):
+        assert main(["train", "--quiet", "--output", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err
+    assert main(["train", "--quiet", "--select-samples", "-1"]) == 2
+    assert "--select-samples must be >= 0, got -1" in capsys.readouterr().err

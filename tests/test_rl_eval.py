@@ -133,6 +133,8 @@ def test_table_dir_refuses_an_empty_folder(tmp_path):
     (["--checkpoint", "b=/nonexistent/ck"], "/nonexistent/ck"),
     (["--checkpoint", "nolabel"], "LABEL=DIR"),
     (["--checkpoint", "x=,"], "LABEL=DIR"),
+    (["--checkpoint", "x=default,default"], "listed twice"),
+    (["--policies", "round_robin,dqn", "--instances", "4,8"], "8"),
     (["--table-dir", "/nonexistent/t"], "/nonexistent/t"),
     (["--settings", "nope"], "nope"),
     (["--seeds", "1"], "--seeds"),

@@ -68,6 +68,29 @@ def _split_specs(text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+def _dqn_profile_notes(specs: list[str], profile: str) -> list[str]:
+    """A note for each ``dqn`` spec whose checkpoint was trained on another hardware profile
+    (the run goes ahead: a user may mean to test transfer). Unusable checkpoints are left
+    to the policy's own error."""
+    from routerd.policies.dqn.checkpoint import DEFAULT_CHECKPOINT, CheckpointError, load_checkpoint
+    from routerd.policies.registry import PolicyError, parse_policy_spec
+
+    notes = []
+    for spec in specs:
+        try:
+            name, params = parse_policy_spec(spec)
+            if name != "dqn":
+                continue
+            ck = load_checkpoint(str(params.get("checkpoint") or DEFAULT_CHECKPOINT))
+        except (PolicyError, CheckpointError):
+            continue
+        trained_on = ck.metadata.get("profile")
+        if trained_on != profile:
+            notes.append(f"{spec}: checkpoint {ck.path} was trained on profile {trained_on}, "
+                         f"the benchmark uses {profile}")
+    return notes
+
+
 def _print_notes(notes: list[str]) -> None:
     for note in notes:
         print(f"phasewise: note: {note}", file=sys.stderr)
@@ -87,7 +110,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     # The 8-request study runs on 2 instances whatever --instances says.
     m = 2 if args.study8 else args.instances
     if args.policies is not None:
-        specs, notes = _split_specs(args.policies), []
+        specs = _split_specs(args.policies)
+        notes = _dqn_profile_notes(specs, profile.name)
     else:
         from routerd.policies.registry import default_bench_policies
 
@@ -210,6 +234,21 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no per-episode log or progress bar")
 
 
+def _check_output_folder(out: Path) -> None:
+    """Refuse, before any training time is spent, an ``--output`` that cannot become a folder."""
+    import os
+
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output {out}: exists and is not a folder")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--output {out}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--output {out}: cannot write into {parent}")
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     try:
         import torch  # noqa: F401
@@ -232,8 +271,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     settings["explore_episodes"] = min(settings["explore_episodes"], settings["episodes"])
     if args.instances < 1 or settings["episodes"] < 1 or args.requests_per_episode < 1:
         raise UsageError("--instances, --episodes and --requests-per-episode must be >= 1")
-    if settings["demo_episodes"] < 1 or settings["pretrain_steps"] < 0 or settings["select_samples"] < 0:
-        raise UsageError("--demo-episodes must be >= 1; --pretrain-steps and --select-samples >= 0")
+    for flag, key, low in (("--demo-episodes", "demo_episodes", 1), ("--pretrain-steps", "pretrain_steps", 0),
+                           ("--select-samples", "select_samples", 0)):
+        if settings[key] < low:
+            raise UsageError(f"{flag} must be >= {low}, got {settings[key]}")
+    _check_output_folder(Path(args.output))
     if settings["demo_policy"]:
         from routerd.policies.registry import build_policy_from_spec
         from routerd.policies.base import PolicyContext
@@ -252,9 +294,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
              seed=args.seed, data_dir=args.data_dir, output=args.output, **settings)
     log = (lambda _msg: None) if args.quiet else print
     try:
-        train(a, log=log, progress=not args.quiet and sys.stderr.isatty())
+        path = train(a, log=log, progress=not args.quiet and sys.stderr.isatty())
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.quiet:
+        print(path)  # the one line a script needs
     return 0
 
 

@@ -106,6 +106,11 @@ class Daemon:
         self._overrides = reload_overrides or {}
         self._override_flags = reload_override_flags or {}
         built = _Built(settings, len(settings.endpoints), startup=True)
+        n_policy = getattr(getattr(built.policy, "ctx", None), "num_instances", None)
+        if built.policy_name == "dqn" and settings.endpoints and n_policy != len(settings.endpoints):
+            log.warning("policy dqn: its checkpoint was trained for %s instances and %d endpoints are "
+                        "configured; it routes round robin while the sizes differ", n_policy,
+                        len(settings.endpoints))
         self.profile = built.profile
         self.predictor = built.predictor
         self._predictor_blocking = self._is_blocking(self.predictor)
@@ -162,7 +167,9 @@ class Daemon:
         if not self.router.endpoints and not s.kubernetes.enabled:
             log.warning("no endpoints configured: every request will get 503 until a reload adds some")
         log.info("routerd listening on http://%s:%d%s; policy %s; %d endpoints", s.http.host, self.http_port,
-                 f", gRPC {s.grpc.host}:{self.grpc_port}" if self._grpc is not None else "", s.policy.name,
+                 f", gRPC {s.grpc.host}:{self.grpc_port}" if self._grpc is not None else "",
+                 s.policy.name if self.router.policy_name == s.policy.name
+                 else f"{self.router.policy_name} (configured {s.policy.name}: its checkpoint is unusable)",
                  len(self.router.endpoints))
 
     @property
@@ -417,6 +424,10 @@ class Daemon:
         except ConfigError as e:
             self.metrics.reloads.labels("error").inc()
             log.error("reload refused, keeping the running configuration: %s", e)
+            return False
+        except Exception as e:  # noqa: BLE001 - a reload must never stop a serving routerd
+            self.metrics.reloads.labels("error").inc()
+            log.error("reload refused, keeping the running configuration: unexpected %s: %s", type(e).__name__, e)
             return False
         old = self.settings
         for key in ("http", "grpc", "event_loop", "max_body_bytes", "kubernetes"):

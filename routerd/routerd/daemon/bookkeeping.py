@@ -17,7 +17,7 @@ from __future__ import annotations
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-from routerd.policies.base import LoadSummary, ResidentRequest, load_bin
+from routerd.policies.base import LoadSummary, ResidentRequest, load_bin, summarize_residents
 
 if TYPE_CHECKING:
     from routerd.daemon.state import EndpointState
@@ -39,7 +39,7 @@ class Inflight:
 
     __slots__ = ("rid", "label", "prompt_tokens", "predicted_bucket", "predicted_output", "load_bin",
                  "exact", "generated", "first_token", "endpoint", "dispatched_at", "arrived_at", "group", "done",
-                 "features", "exclude", "enqueued_at", "waiter", "error", "fallback")
+                 "features", "exclude", "enqueued_at", "waiter", "error", "fallback", "blind")
 
     def __init__(self, rid: int, label: Any, prompt_tokens: int, predicted_bucket: int | None,
                  predicted_output: float, arrived_at: float) -> None:
@@ -62,6 +62,10 @@ class Inflight:
         self.arrived_at = arrived_at
         self.group: _DecodeGroup | None = None
         self.done = False
+        self.blind = False
+        """The answer arrives whole (a non-streaming request): routerd never sees its first
+        token, so while the instance counts it as running it is taken to be decoding
+        (vLLM's prefill is short next to the decode; see :meth:`RequestBook.residents`)."""
         # Router-queue fields (set by the router).
         self.features: Any = None
         self.exclude: Any = frozenset()
@@ -120,7 +124,9 @@ class RequestBook:
     Before first token a request counts as in prefill; the owner sets ``num_running``
     (the instance's running count) before a decision, and the first
     ``num_running - decoding`` prefill requests in dispatch order count as running,
-    the rest as waiting (:meth:`residents`).
+    the rest as waiting (:meth:`residents`). A ``blind`` request (non-streaming: no
+    first-token event) in a running slot counts as decoding rather than in prefill, as
+    the simulator would show it for most of its life.
 
     Args:
         block_size: tokens per KV block.
@@ -141,6 +147,8 @@ class RequestBook:
         self._outstanding = 0.0
         """Sum of :func:`_jsq_term` over requests with an exact prediction (tokens)."""
         self._n_inexact = 0
+        self._n_blind = 0
+        """Requests in ``_prefill`` that are ``blind`` (no first-token event will come)."""
         self._groups: dict[float, _DecodeGroup] = {}
         self._summary: LoadSummary | None = None
         self._residents: list[ResidentRequest] | None = None
@@ -157,6 +165,7 @@ class RequestBook:
         r.dispatched_at = now
         self.requests[r.rid] = r
         self._prefill[r.rid] = r
+        self._n_blind += r.blind
         tokens = r.prompt_tokens + r.generated
         self._prefill_blocks += _blocks(tokens, self.block_size)
         self._sum_tokens += tokens
@@ -165,7 +174,7 @@ class RequestBook:
             self._outstanding += _jsq_term(r)
         else:
             self._n_inexact += 1
-        self._summary = None
+        self._summary = self._residents = None
 
     def on_first_token(self, r: Inflight) -> None:
         """``r`` produced its first token: it moves from prefill to decode."""
@@ -176,6 +185,7 @@ class RequestBook:
             self._outstanding -= tokens
         r.first_token = True
         del self._prefill[r.rid]
+        self._n_blind -= r.blind
         self._prefill_blocks -= _blocks(tokens, self.block_size)
         self._bins[r.load_bin] += 1
         g = self._groups.get(r.predicted_output)
@@ -185,7 +195,7 @@ class RequestBook:
         r.group = g
         if r.generated > g.max_generated:
             g.max_generated = r.generated
-        self._summary = None
+        self._summary = self._residents = None
 
     def on_tokens(self, r: Inflight, n: int) -> None:
         """``n`` more output tokens of ``r`` were seen (n >= 0)."""
@@ -209,7 +219,7 @@ class RequestBook:
                 self._outstanding += n
             bs = self.block_size
             self._prefill_blocks += _blocks(r.prompt_tokens + new, bs) - _blocks(r.prompt_tokens + old, bs)
-        self._summary = None
+        self._summary = self._residents = None
 
     def remove(self, r: Inflight) -> bool:
         """Forget ``r`` (finished, failed or cancelled); False if it was not here."""
@@ -231,8 +241,9 @@ class RequestBook:
                     g.dirty = True
         else:
             del self._prefill[r.rid]
+            self._n_blind -= r.blind
             self._prefill_blocks -= _blocks(r.prompt_tokens + r.generated, self.block_size)
-        self._summary = None
+        self._summary = self._residents = None
         return True
 
     # -- aggregates (what policies read) ------------------------------------------
@@ -255,7 +266,7 @@ class RequestBook:
             elif slots > 0:
                 slots -= 1
                 running.append(ResidentRequest(r.prompt_tokens, r.generated, r.predicted_bucket,
-                                               r.predicted_output, True, False))
+                                               r.predicted_output, not r.blind, False))
             else:
                 waiting.append(ResidentRequest(r.prompt_tokens, r.generated, r.predicted_bucket,
                                                r.predicted_output, True, True))
@@ -268,10 +279,15 @@ class RequestBook:
         Cached until the next event, so every reader of one decision shares one object.
         While a request with an inexact predicted length is here, the sum of prompt +
         predicted tokens is added up in the scan's order instead (O(requests), not cached).
+        While a ``blind`` request has no first token, the whole summary is the scan's
+        (O(requests), not cached): whether it counts as decoding depends on ``num_running``.
         """
         s = self._summary
         if s is not None:
             return s
+        if self._n_blind:
+            # Which blind requests count as decoding depends on ``num_running``: scan.
+            return summarize_residents(self.residents())
         if self._n_inexact:
             total = 0.0
             for r in self.residents():
@@ -294,9 +310,11 @@ class RequestBook:
         """The JSQ metric (tokens) in O(1), equal to ``join_shortest_queue.outstanding_tokens``.
 
         None while a request with an inexact predicted length (see ``_EXACT_SCALE``) is
-        here: its float sum could then differ from a recount in the last bit.
+        here: its float sum could then differ from a recount in the last bit. None too
+        while a ``blind`` request has no first token: whether its prompt still counts
+        depends on ``num_running`` (:meth:`residents`), so the helper scans.
         """
-        return self._outstanding if self._n_inexact == 0 else None
+        return self._outstanding if self._n_inexact == 0 and self._n_blind == 0 else None
 
     def waiting_kv_blocks(self) -> int:
         """KV blocks the waiting requests need to start (blocks), equal to ``kv_headroom.waiting_kv_blocks``.

@@ -376,6 +376,7 @@ class Proxy:
         bucket = await d.predict(prompt_text, prompt_tokens, task, mt if type(mt) is int else None)
         router = d.router
         r = router.new_request(prompt_tokens, bucket, task)
+        r.blind = not stream
         try:
             ep = await router.dispatch(r)
         except RejectedError as e:

@@ -147,6 +147,8 @@ class Router:
         self._tick: asyncio.TimerHandle | None = None
         self._idle_hold_since: float | None = None
         self._policy_fallbacks = getattr(policy, "fallbacks", None)
+        self._fallback_warned_for: int | None = None
+        """Ready-endpoint count for which the policy's own fallback was last logged."""
         self._idle_waiters: list[asyncio.Future] = []
         self._cands: list[EndpointState] | None = None
         """Candidates without exclusions, reused while valid (see :meth:`_candidates`)."""
@@ -177,6 +179,7 @@ class Router:
         self.policy = policy
         self.policy_name = name
         self._policy_fallbacks = getattr(policy, "fallbacks", None)
+        self._fallback_warned_for = None
         self._idle_hold_since = None
         self._decide()
 
@@ -466,6 +469,13 @@ class Router:
                         if fb != self._policy_fallbacks:
                             self._policy_fallbacks = fb
                             reason = "policy_fallback"
+                            if self._fallback_warned_for != len(cands):
+                                # Once per cluster size: the counter says how often.
+                                self._fallback_warned_for = len(cands)
+                                log.warning("policy %s was built for %s instances and %d are ready; routing "
+                                            "round robin while the sizes differ (counted in "
+                                            "phasewise_fallbacks_total{reason=\"policy_fallback\"})",
+                                            self.policy_name, self.policy.ctx.num_instances, len(cands))
             q.popleft()
             self._idle_hold_since = None
             self._assign(r, ep, now, reason)

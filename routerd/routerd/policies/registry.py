@@ -125,7 +125,11 @@ def build_policy(name: str, params: dict[str, Any] | None, ctx: PolicyContext) -
     """
     cls = POLICIES.get(name)
     if cls is None:
-        raise PolicyError(f"unknown policy {name!r}; valid: {', '.join(POLICIES)}")
+        hint = ""
+        if "," in name and all(part.strip() in POLICIES for part in name.split(",")):
+            # "a,b:k=v" was split at ':' first; a list with parameters needs ';'.
+            hint = "; separate policies with ';' when one has parameters (e.g. 'round_robin;dqn:checkpoint=DIR')"
+        raise PolicyError(f"unknown policy {name!r}; valid: {', '.join(POLICIES)}{hint}")
     try:
         typed = cls.Params.model_validate(params or {})
     except ValidationError as e:

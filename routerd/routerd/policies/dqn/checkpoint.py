@@ -84,8 +84,9 @@ def load_checkpoint(spec: str | Path, *, num_instances: int | None = None) -> Ch
             raise CheckpointError(f"checkpoint {path}: missing {p.name}")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path}: metadata.json is not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint {path}: metadata.json is not valid JSON "
+                              f"({'nested too deeply' if isinstance(e, RecursionError) else e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: metadata format is {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}")
     if meta.get("obs_version") != OBS_VERSION:
@@ -93,7 +94,7 @@ def load_checkpoint(spec: str | Path, *, num_instances: int | None = None) -> Ch
             f"checkpoint {path}: observation layout {meta.get('obs_version')!r} does not match this "
             f"version's {OBS_VERSION!r}; retrain it with `phasewise train`")
     m = meta.get("num_instances")
-    if not isinstance(m, int) or m < 1:
+    if type(m) is not int or m < 1:
         raise CheckpointError(f"checkpoint {path}: metadata num_instances={m!r} is not a positive integer")
     if num_instances is not None and m != num_instances:
         raise CheckpointError(
@@ -103,6 +104,10 @@ def load_checkpoint(spec: str | Path, *, num_instances: int | None = None) -> Ch
         weights = load_file(str(model_path))
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: model.safetensors is corrupt ({e})") from None
+    except (TypeError, AttributeError) as e:
+        # numpy has no bfloat16 or float8 types: safetensors fails before any check here.
+        raise CheckpointError(f"checkpoint {path}: model.safetensors holds a tensor type numpy cannot read "
+                              f"({e}); save the weights as float32") from None
     try:
         check_shapes(weights, obs_dim(m), m + 1)
     except ValueError as e:

@@ -26,7 +26,8 @@ def q_values(weights: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
 
 
 def check_shapes(weights: Mapping[str, np.ndarray], obs: int, actions: int) -> None:
-    """Raise ValueError naming the tensor whose shape does not fit ``obs`` inputs and ``actions`` outputs."""
+    """Raise ValueError naming the tensor whose shape does not fit ``obs`` inputs and ``actions``
+    outputs, or that is not a finite float array."""
     for name in (f"{layer}.{part}" for layer in LAYERS for part in ("weight", "bias")):
         if name not in weights:
             raise ValueError(f"missing tensor {name!r}")
@@ -41,3 +42,10 @@ def check_shapes(weights: Mapping[str, np.ndarray], obs: int, actions: int) -> N
         b = weights[f"{layer}.bias"]
         if b.shape != (w.shape[0],):
             raise ValueError(f"{layer}.bias has shape {tuple(b.shape)}, expected ({w.shape[0]},)")
+    for name in (f"{layer}.{part}" for layer in LAYERS for part in ("weight", "bias")):
+        t = np.asarray(weights[name])
+        if t.dtype.kind != "f":
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, expected a float type")
+        if not np.isfinite(t).all():
+            # A NaN row makes every Q-value NaN and argmax pick action 0 for every request.
+            raise ValueError(f"tensor {name!r} holds {int((~np.isfinite(t)).sum())} non-finite values (NaN or inf)")

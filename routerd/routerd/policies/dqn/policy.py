@@ -22,7 +22,7 @@ class Params(PolicyParams):
 
     checkpoint: str = DEFAULT_CHECKPOINT
     """Checkpoint folder (``phasewise train --output``), or ``default`` for the one shipped with
-    the package for llama2-7b-v100 and 4 instances (none ships yet: see docs/rl.md)."""
+    the package for llama2-7b-v100 and 4 instances (a clone of ``late_binding``: docs/rl.md)."""
     allow_hold: bool = True
     """Whether the agent may hold the request at the router (the paper's no-action)."""
 
