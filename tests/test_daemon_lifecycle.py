@@ -27,6 +27,13 @@ def _config(backends, policy, **extra) -> str:
     return json.dumps(cfg)  # JSON is YAML
 
 
+async def _shutdown(client, daemon, *backends) -> None:
+    await client.close()
+    await daemon.stop()
+    for b in backends:
+        await b.stop()
+
+
 def test_reload_swaps_policy_checkpoint_and_endpoints_with_requests_in_flight(tmp_path):
     async def main():
         b0 = await FakeBackend("b0", token_s=0.03, default_tokens=8).start()
@@ -59,10 +66,7 @@ def test_reload_swaps_policy_checkpoint_and_endpoints_with_requests_in_flight(tm
             assert sample(d, "phasewise_config_reloads_total", result="ok") == 1
             assert all(v == 0 for v in in_flight_samples(d).values())
         finally:
-            await client.close()
-            await d.stop()
-            await b0.stop()
-            await b1.stop()
+            await _shutdown(client, d, b0, b1)
     asyncio.run(main())
 
 
@@ -111,10 +115,7 @@ def test_an_unusable_dqn_checkpoint_at_startup_routes_round_robin_and_says_so(tm
             r = await client.completions.create(model="m", prompt="p", max_tokens=1)
             assert r.choices[0].text == "t0 "
         finally:
-            await client.close()
-            await d.stop()
-            await b0.stop()
-            await b1.stop()
+            await _shutdown(client, d, b0, b1)
     asyncio.run(main())
 
 
