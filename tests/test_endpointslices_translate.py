@@ -104,3 +104,35 @@ def test_output_is_hashable_and_comparable_for_change_detection():
     a = endpoints_from_slices([sl("s1", [ep("10.0.0.1", "a"), ep("10.0.0.2", "b")])])
     b = endpoints_from_slices([sl("s1", [ep("10.0.0.2", "b"), ep("10.0.0.1", "a")])])
     assert tuple(a) == tuple(b) and hash(tuple(a)) == hash(tuple(b))
+
+
+def test_stop_closes_only_the_api_client_the_watcher_built(monkeypatch):
+    pytest.importorskip("kubernetes")
+    import routerd.daemon.endpointslices as es
+
+    class FakeClient:
+        closed = 0
+
+        def close(self):
+            self.closed += 1
+
+        def call_api(self, *a, **k):  # every request fails: the watcher backs off and retries
+            raise ConnectionError("no cluster here")
+
+        def select_header_accept(self, *a, **k):
+            return "application/json"
+
+        def select_header_content_type(self, *a, **k):
+            return "application/json"
+
+    built = FakeClient()
+    monkeypatch.setattr(es, "_default_api_client", lambda: built)
+    w = es.EndpointSliceWatcher("ns", "svc", lambda eps: None, backoff_initial_s=0.01, backoff_max_s=0.02)
+    w.start()
+    w.stop()
+    assert built.closed == 1
+    given = FakeClient()
+    w2 = es.EndpointSliceWatcher("ns", "svc", lambda eps: None, api_client=given, backoff_initial_s=0.01)
+    w2.start()
+    w2.stop()
+    assert given.closed == 0  # the caller's client stays the caller's to close

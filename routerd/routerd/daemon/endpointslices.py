@@ -136,6 +136,8 @@ class EndpointSliceWatcher:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self._api_client = api_client
+        self._owns_client = api_client is None
+        """Whether :meth:`stop` closes the client (only one this watcher built itself)."""
         self._slices: dict[str, dict] = {}
         self._delivered: tuple[DiscoveredEndpoint, ...] | None = None
         self._stop = threading.Event()
@@ -173,6 +175,11 @@ class EndpointSliceWatcher:
             if w is not None:
                 w.stop()
             t.join(0.05)
+        if self._owns_client and not t.is_alive() and self._api_client is not None:
+            # Its pooled TLS connections would otherwise be closed only by the garbage
+            # collector, with a ResourceWarning.
+            self._api_client.close()
+            self._api_client = None
 
     def wait_synced(self, timeout: float | None = None) -> bool:
         """Wait until the first list has been delivered."""
