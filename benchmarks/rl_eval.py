@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import statistics
 import sys
 import time
@@ -75,6 +74,7 @@ from routerd.policies.dqn.policy import DQNPolicy
 from routerd.policies.registry import PolicyError, build_policy_from_spec
 from routerd.profiles import ProfileError, get_profile
 from routerd.rl import splits
+from routerd.rl.recipes import RUN_NAME
 from routerd.sim import ClusterSimulator, prepare_requests
 from routerd.sim.prepare import PredictionError, parse_prediction
 from routerd.sim.capacity import round_robin_capacity
@@ -249,12 +249,8 @@ def validate(a: argparse.Namespace) -> None:
             raise UsageError(str(e)) from None
 
 
-TABLE_RUN = re.compile(r"^(?P<recipe>[a-z0-9_]+)-(?P<variant>[a-z-]+)-m(?P<m>[0-9]+)-s(?P<seed>[0-9]+)$")
-"""Folder names written by ``benchmarks/rl_train_table.py`` (``paper-workload-guided-m4-s0``)."""
-
-
 def table_dir_items(folder: str) -> list[str]:
-    """``LABEL=DIR,DIR,...`` items for the trained runs in ``folder`` (see :data:`TABLE_RUN`):
+    """``LABEL=DIR,DIR,...`` items for the trained runs in ``folder`` (``routerd.rl.recipes.RUN_NAME``):
     one label ``<recipe> <variant>`` per recipe and variant, folders of every instance count,
     ordered by instance count then seed. Folders without ``metadata.json`` (unfinished runs)
     are left out.
@@ -267,7 +263,7 @@ def table_dir_items(folder: str) -> list[str]:
         raise UsageError(f"--table-dir {folder}: not a folder")
     runs: dict[str, list[tuple[int, int, Path]]] = {}
     for d in root.iterdir():
-        mt = TABLE_RUN.match(d.name)
+        mt = RUN_NAME.match(d.name)
         if mt and (d / "metadata.json").is_file():
             runs.setdefault(f"{mt['recipe']} {mt['variant']}", []).append((int(mt["m"]), int(mt["seed"]), d))
     if not runs:

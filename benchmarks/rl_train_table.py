@@ -30,24 +30,18 @@ Then: ``python benchmarks/rl_eval.py --checkpoint "wg=ckpts/paper-workload-guide
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from routerd.rl.reward import REWARD_VARIANTS
-from routerd.rl.recipes import RECIPES
+from routerd.rl.recipes import RECIPES, RUN_NAME, run_name
 
 RATE_PER_INSTANCE = 5.0
 """req/s per instance of the paper's regime (arXiv 2408.13510 §6)."""
 
 RECIPE_VARIANTS = {"paper": REWARD_VARIANTS, "bc": ("workload-guided",)}
-
-
-def run_name(recipe: str, variant: str, m: int, seed: int) -> str:
-    """Folder name of one training run (``paper-workload-guided-m4-s0``)."""
-    return f"{recipe}-{variant}-m{m}-s{seed}"
 
 
 def train_one(recipe: str, variant: str, m: int, seed: int, out: str) -> tuple[str, float, str]:
@@ -90,7 +84,8 @@ def pick(out: str, m: int, samples: int = 3) -> tuple[str, list[tuple[float, str
         raise FileNotFoundError(f"{out}: not a folder")
     scores, skipped = [], []
     for d in sorted(root.iterdir()):
-        if re.fullmatch(rf"[a-z0-9_]+-[a-z-]+-m{m}-s[0-9]+", d.name) and (d / "metadata.json").is_file():
+        mt = RUN_NAME.match(d.name)
+        if mt and int(mt["m"]) == m and (d / "metadata.json").is_file():
             try:
                 ck = load_checkpoint(d, num_instances=m)
                 profile = get_profile(str(ck.metadata.get("profile") or Args.profile))

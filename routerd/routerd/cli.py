@@ -84,10 +84,9 @@ def _dqn_profile_notes(specs: list[str], profile: str) -> list[str]:
             ck = load_checkpoint(str(params.get("checkpoint") or DEFAULT_CHECKPOINT))
         except (PolicyError, CheckpointError):
             continue
-        trained_on = ck.metadata.get("profile")
-        if trained_on != profile:
-            notes.append(f"{spec}: checkpoint {ck.path} was trained on profile {trained_on}, "
-                         f"the benchmark uses {profile}")
+        mismatch = ck.profile_mismatch(profile)
+        if mismatch:
+            notes.append(f"{spec}: {mismatch}")
     return notes
 
 

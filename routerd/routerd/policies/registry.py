@@ -73,13 +73,12 @@ def default_bench_policies(num_instances: int, profile: str | None = None) -> tu
     if "dqn" in specs:
         try:
             ck = load_checkpoint(DEFAULT_CHECKPOINT, num_instances=num_instances)
-            trained_on = ck.metadata.get("profile")
-            if profile is not None and trained_on != profile:
-                raise CheckpointError(f"checkpoint {ck.path}: trained on profile {trained_on}, "
-                                      f"the benchmark uses {profile}")
+            mismatch = ck.profile_mismatch(profile) if profile is not None else None
         except CheckpointError as e:
+            mismatch = str(e)
+        if mismatch:
             specs.remove("dqn")
-            notes.append(f"dqn left out: {e}")
+            notes.append(f"dqn left out: {mismatch}")
     return specs, notes
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 RECIPES: dict[str, dict] = {
     "paper": dict(episodes=30, explore_episodes=20, select_samples=2, select_from=0),
     "bc": dict(episodes=6, explore_episodes=3, eps_start=0.1, eps_end=0.02, learning_rate=1e-4,
@@ -20,3 +22,12 @@ RECIPES: dict[str, dict] = {
   are the best of pre-trained and every episode on 3 validation samples. The shipped
   default checkpoint was made with it (docs/rl.md).
 """
+
+
+RUN_NAME = re.compile(r"^(?P<recipe>[a-z0-9_]+)-(?P<variant>[a-z-]+)-m(?P<m>[0-9]+)-s(?P<seed>[0-9]+)$")
+"""Folder names of table runs (:func:`run_name`), as benchmarks/rl_eval.py ``--table-dir`` reads them."""
+
+
+def run_name(recipe: str, variant: str, m: int, seed: int) -> str:
+    """Folder name of one training run of the RL table (``paper-workload-guided-m4-s0``)."""
+    return f"{recipe}-{variant}-m{m}-s{seed}"

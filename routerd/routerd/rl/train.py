@@ -46,7 +46,6 @@ from routerd.policies.round_robin import RoundRobin
 from routerd.profiles import get_profile
 from routerd.rl import splits
 from routerd.rl.env import RoutingEnv
-from routerd.rl.recipes import RECIPES  # noqa: F401 (re-exported: train(Args(**RECIPES[name])))
 from routerd.rl.qnet import build_torch_qnet
 from routerd.rl.reward import REWARD_VARIANTS, RewardConfig
 from routerd.sim import ClusterSimulator, prepare_requests

@@ -40,6 +40,14 @@ class Checkpoint:
     def num_instances(self) -> int:
         return int(self.metadata["num_instances"])
 
+    def profile_mismatch(self, profile: str) -> str | None:
+        """One line saying the checkpoint was trained on another hardware profile than
+        ``profile`` (a name), or None when it was trained on that one."""
+        trained_on = self.metadata.get("profile")
+        if trained_on == profile:
+            return None
+        return f"checkpoint {self.path}: trained on profile {trained_on}, the benchmark uses {profile}"
+
 
 def default_checkpoint_path() -> Path:
     """The checkpoint shipped with the package (default profile and instance count)."""

@@ -14,6 +14,8 @@ from typing import Mapping
 import numpy as np
 
 LAYERS = ("l1", "l2", "l3")
+TENSORS = tuple(f"{layer}.{part}" for layer in LAYERS for part in ("weight", "bias"))
+"""Every tensor name a checkpoint holds."""
 
 
 def q_values(weights: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
@@ -28,7 +30,7 @@ def q_values(weights: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
 def check_shapes(weights: Mapping[str, np.ndarray], obs: int, actions: int) -> None:
     """Raise ValueError naming the tensor whose shape does not fit ``obs`` inputs and ``actions``
     outputs, or that is not a finite float array."""
-    for name in (f"{layer}.{part}" for layer in LAYERS for part in ("weight", "bias")):
+    for name in TENSORS:
         if name not in weights:
             raise ValueError(f"missing tensor {name!r}")
     w1, w2, w3 = weights["l1.weight"], weights["l2.weight"], weights["l3.weight"]
@@ -42,7 +44,7 @@ def check_shapes(weights: Mapping[str, np.ndarray], obs: int, actions: int) -> N
         b = weights[f"{layer}.bias"]
         if b.shape != (w.shape[0],):
             raise ValueError(f"{layer}.bias has shape {tuple(b.shape)}, expected ({w.shape[0]},)")
-    for name in (f"{layer}.{part}" for layer in LAYERS for part in ("weight", "bias")):
+    for name in TENSORS:
         t = np.asarray(weights[name])
         if t.dtype.kind != "f":
             raise ValueError(f"tensor {name!r} has dtype {t.dtype}, expected a float type")
