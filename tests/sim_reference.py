@@ -3,6 +3,11 @@
 It shares no code with ``routerd.sim``: it keeps every request's token counts and
 blocks explicitly and advances token by token. Property tests compare the fast,
 event-skipping simulator against it.
+
+Arrival rule, the same at every iteration boundary (there are no segments here): a
+request whose arrival is ``<=`` the time ``t`` a step starts joins that step, so one
+arriving exactly when an iteration ends is scheduled in the very next iteration. It
+agrees with the independent per-iteration reference of issue 13 on this.
 """
 
 from __future__ import annotations
@@ -24,8 +29,14 @@ class Ref:
         self.preemptions = 0
 
 
-def reference_run(p, reqs, gate="full"):
-    """Simulate ``reqs`` = [(arrival, prompt, output)] on one instance of profile ``p``."""
+def reference_run(p, reqs, gate="full", boundaries=None):
+    """Simulate ``reqs`` = [(arrival s, prompt tokens, output tokens)] on one instance of profile ``p``.
+
+    Returns ``(requests, preemptions, free blocks at the end)``. If ``boundaries`` is a
+    list, ``(end time s, decode_only)`` of every iteration is appended to it, in order
+    (``decode_only``: the iteration had no prefill chunk), so tests can place arrivals
+    exactly on iteration boundaries.
+    """
     rs = [Ref(i, a, pr, o) for i, (a, pr, o) in enumerate(reqs)]
     pending = deque(sorted(rs, key=lambda r: (r.arrival, r.i)))
     waiting, running = deque(), []
@@ -99,6 +110,8 @@ def reference_run(p, reqs, gate="full"):
         ctx = sum(r.computed + 1 for r in dec)
         t += (p.overhead_s + p.prefill_per_token_s * pf + p.prefill_attn_s * attn
               + p.decode_per_seq_s * len(dec) + p.decode_per_ctx_token_s * ctx)
+        if boundaries is not None:
+            boundaries.append((t, len(dec) == len(sched)))
         for r, n in sched:
             r.computed += n
             if r.state == "prefill" and r.computed < r.target:

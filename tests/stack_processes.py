@@ -9,11 +9,16 @@ carries the environment variable ``PHASEWISE_E2E_STACK=<id>`` so that
 started) after teardown: a leak check that needs no process tree.
 
 Also: :func:`scrape` (Prometheus text read with ``prometheus_client.parser``),
-:func:`metric_sum` and :func:`wait_until` (poll a condition instead of sleeping).
+:func:`metric_sum`, and :func:`wait_until` / :func:`await_until`: the one way tests here
+wait for state that another thread or process writes (operator status, EndpointSlices,
+routerd gauges, emulator counters): poll it until it is what the test asserts, with a
+bounded timeout and a message naming what was awaited, instead of reading it once or
+sleeping a guessed time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -283,7 +288,14 @@ def metric_by(samples: list[tuple[str, dict[str, str], float]], name: str, label
 
 def wait_until(probe: Callable[[], Any], ok: Callable[[Any], bool], timeout_s: float, what: str,
                interval_s: float = 0.05) -> Any:
-    """Call ``probe()`` until ``ok(value)``; returns that value. Raises AssertionError with the last one."""
+    """Call ``probe()`` until ``ok(value)``; returns that value.
+
+    ``probe`` runs at least once, then every ``interval_s`` seconds until ``timeout_s``
+    seconds (monotonic clock) have passed.
+
+    Raises:
+        AssertionError: not reached in time; the message names ``what`` and the last value.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         value = probe()
@@ -292,3 +304,17 @@ def wait_until(probe: Callable[[], Any], ok: Callable[[Any], bool], timeout_s: f
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not reached within {timeout_s} s; last value: {value!r}")
         time.sleep(interval_s)
+
+
+async def await_until(probe: Callable[[], Any], ok: Callable[[Any], bool], timeout_s: float, what: str,
+                      interval_s: float = 0.05) -> Any:
+    """:func:`wait_until` inside an event loop: the (blocking) ``probe`` runs in a worker thread,
+    so the loop keeps serving the clients or in-process servers of the test meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await asyncio.to_thread(probe)
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout_s} s; last value: {value!r}")
+        await asyncio.sleep(interval_s)

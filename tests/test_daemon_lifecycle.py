@@ -14,10 +14,12 @@ import aiohttp
 
 from conftest import policy_params
 from daemon_fakes import FakeBackend, in_flight_samples, openai_client, sample
+from stack_processes import await_until, http_get
 from routerd.daemon.app import Daemon
 from routerd.daemon.config import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
+WAIT_S = 30.0  # for every condition polled: far above what a loaded 2-core machine needs
 
 
 def _config(backends, policy, **extra) -> str:
@@ -64,7 +66,10 @@ def test_reload_swaps_policy_checkpoint_and_endpoints_with_requests_in_flight(tm
             assert d.router.policy_name == "dqn" and len(d.router.endpoints) == 2
             assert sample(d, "phasewise_config_reloads_total", result="error") == 1
             assert sample(d, "phasewise_config_reloads_total", result="ok") == 1
-            assert all(v == 0 for v in in_flight_samples(d).values())
+            # The gauges drop as each handler ends, which may be just after its client has the
+            # last byte.
+            await await_until(lambda: in_flight_samples(d), lambda v: all(x == 0 for x in v.values()), WAIT_S,
+                              "phasewise_in_flight_requests and the queue depth back at 0")
         finally:
             await _shutdown(client, d, b0, b1)
     asyncio.run(main())
@@ -131,11 +136,8 @@ def test_a_changed_config_file_is_picked_up_without_a_signal(tmp_path):
             os.utime(path, (time.time() + 5, time.time() + 5))  # an mtime the watcher cannot miss
             path.write_text(_config([b0], {"name": "late_binding"}, reload={"watch": True, "poll_interval_s": 0.05}))
             os.utime(path, (time.time() + 10, time.time() + 10))
-            for _ in range(100):
-                await asyncio.sleep(0.02)
-                if d.router.policy_name == "late_binding":
-                    break
-            assert d.router.policy_name == "late_binding"
+            await await_until(lambda: d.router.policy_name, lambda name: name == "late_binding", WAIT_S,
+                              "the file watcher reloading policy late_binding")
         finally:
             await d.stop()
             await b0.stop()
@@ -156,9 +158,10 @@ async def _read_port(proc) -> int:
 
 def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_zero(tmp_path):
     async def main():
-        b0 = await FakeBackend("b0", token_s=0.05, default_tokens=12).start()
+        # 12 tokens of 0.25 s: the stream outlasts the wait below for routerd to start draining.
+        b0 = await FakeBackend("b0", token_s=0.25, default_tokens=12).start()
         path = tmp_path / "routerd.yaml"
-        path.write_text(_config([b0], {"name": "round_robin"}, drain_timeout_s=10))
+        path.write_text(_config([b0], {"name": "round_robin"}, drain_timeout_s=20))
         env = {**os.environ, "PYTHONPATH": str(ROOT / "routerd")}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "routerd", "serve", "--config", str(path), cwd=str(tmp_path), env=env,
@@ -168,32 +171,29 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_zero(tmp_p
             base = f"http://127.0.0.1:{port}"
             async with aiohttp.ClientSession() as s:
                 # SIGHUP reloads the file (here: another policy).
-                path.write_text(_config([b0], {"name": "join_shortest_queue"}, drain_timeout_s=10))
+                path.write_text(_config([b0], {"name": "join_shortest_queue"}, drain_timeout_s=20))
                 proc.send_signal(signal.SIGHUP)
-                for _ in range(100):
-                    async with s.get(base + "/metrics") as r:
-                        if 'phasewise_config_reloads_total{result="ok"} 1.0' in await r.text():
-                            break
-                    await asyncio.sleep(0.05)
-                else:
-                    raise AssertionError("SIGHUP did not reload")
+                await await_until(lambda: http_get(base + "/metrics")[1], lambda text: b'phasewise_config_reloads_total'
+                                  b'{result="ok"} 1.0' in text, WAIT_S, "SIGHUP reloading the file "
+                                  "(phasewise_config_reloads_total ok 1)")
                 body = json.dumps({"model": "m", "prompt": "p", "stream": True, "max_tokens": 12}).encode()
                 async with s.post(base + "/v1/completions", data=body) as r:
                     assert r.status == 200
                     events = [await r.content.readline()]
                     proc.send_signal(signal.SIGTERM)
-                    await asyncio.sleep(0.2)
                     # Draining: not ready, and new requests are refused with 503.
-                    async with s.get(base + "/readyz") as rz:
-                        assert rz.status == 503
+                    await await_until(lambda: http_get(base + "/readyz")[0], lambda status: status == 503, WAIT_S,
+                                      "routerd draining after SIGTERM (/readyz 503)")
                     async with s.post(base + "/v1/completions", data=body) as r2:
                         assert r2.status == 503 and r2.headers["x-phasewise-reject-reason"] == "draining"
                     async for line in r.content:
                         events.append(line)
                 data = [e for e in events if e.startswith(b"data: ")]
                 assert len(data) == 13 and data[-1] == b"data: [DONE]\n"
-            assert await asyncio.wait_for(proc.wait(), 15) == 0
-            assert b0.finished == 1 and b0.cancelled == 0
+            assert await asyncio.wait_for(proc.wait(), WAIT_S) == 0
+            # The backend's handler counts its finish after its last write: it may be behind routerd's exit.
+            assert await await_until(lambda: (b0.finished, b0.cancelled), lambda v: v != (0, 0), WAIT_S,
+                                     "the backend's stream finished or cancelled") == (1, 0)
         finally:
             if proc.returncode is None:
                 proc.kill()

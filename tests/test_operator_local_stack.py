@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from stack_processes import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "operator"))
@@ -188,15 +189,17 @@ def _check_requests(client, model: str) -> None:
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 5
 
 
-def wait_reloaded(url: str, timeout: float = 15.0) -> None:
+def wait_reloaded(url: str, timeout: float = 30.0) -> None:
     """Until routerd counts a successful reload (and no failed one)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and _metric(_get(url + "/metrics")[1], "phasewise_config_reloads_total",
-                                             result="ok") < 1:
-        time.sleep(0.2)
-    metrics = _get(url + "/metrics")[1]
-    assert _metric(metrics, "phasewise_config_reloads_total", result="ok") >= 1
-    assert _metric(metrics, "phasewise_config_reloads_total", result="error") == 0
+    def reloads() -> tuple[float, float]:
+        metrics = _get(url + "/metrics")[1]
+        return (_metric(metrics, "phasewise_config_reloads_total", result="ok"),
+                _metric(metrics, "phasewise_config_reloads_total", result="error"))
+
+    ok, errors = wait_until(reloads, lambda v: v[0] >= 1 or v[1] > 0, timeout,
+                            "routerd's phasewise_config_reloads_total (ok, error) to count the reload",
+                            interval_s=0.2)
+    assert ok >= 1 and errors == 0, f"reloads (ok, error): {(ok, errors)}"
 
 
 def test_request_through_the_rendered_stack_and_reload(stack):

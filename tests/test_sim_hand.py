@@ -103,3 +103,21 @@ def test_arrival_mid_decode_joins_next_step():
     step = 0.01 + 0.005 + 0.002 + 0.0001 * ctx
     assert b.first_token_s == pytest.approx(t + step)
     assert b.finish_s == pytest.approx(t + step)
+
+
+def test_arrival_on_an_interior_segment_boundary_joins_the_next_step():
+    # Issue 13's minimal case. Iterations take 1/64 s whatever they hold. A: prefill
+    # 4.796875 -> 4.8125 (first token), then a two-iteration decode segment ending at
+    # 4.828125 and 4.84375. B arrives exactly at 4.828125, the segment's interior
+    # boundary: like an arrival at a single-step boundary it joins the step that starts
+    # then (A's 3rd token + B's 1-token prefill; KV 3 + 1 blocks of 1 token = all 4), so
+    # B's only token comes at 4.84375, not one iteration later (4.859375). All times are
+    # dyadic, so they are exact.
+    prof = toy_profile(overhead_s=0.015625, prefill_per_token_s=0.0, decode_per_seq_s=0.0,
+                       decode_per_ctx_token_s=0.0, kv_capacity_tokens=4, block_size=1, max_model_len=4)
+    run = run_one_instance(prof, [(4.796875, 1, 3), (4.828125, 1, 1)])
+    a, b = run.requests
+    assert (a.first_token_s, a.finish_s) == (4.8125, 4.84375)
+    assert (b.first_token_s, b.finish_s) == (4.84375, 4.84375)
+    assert run.instances[0].iterations == 3
+    assert run.instances[0].free_blocks == 4

@@ -34,8 +34,8 @@ import openai
 import pytest
 
 from routerd.api.v1 import router_pb2, router_pb2_grpc
-from stack_processes import (Stack, http_get, http_post, marked_processes, metric_by, metric_sum, scrape,
-                             wait_until)
+from stack_processes import (Stack, await_until, http_get, http_post, marked_processes, metric_by, metric_sum,
+                             scrape, wait_until)
 
 MODEL = "llama-2-7b"
 PROFILE = "llama2-7b-a100"
@@ -106,15 +106,8 @@ def alive_emulator_urls(s: Stack) -> list[str]:
 
 
 async def apoll(probe: Callable[[], Any], ok: Callable[[Any], bool], what: str, timeout_s: float = TIMEOUT_S) -> Any:
-    """:func:`wait_until` for coroutines: the blocking probe runs in a thread."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await asyncio.to_thread(probe)
-        if ok(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached within {timeout_s} s; last value: {value!r}")
-        await asyncio.sleep(0.05)
+    """:func:`stack_processes.await_until` with this module's deadline."""
+    return await await_until(probe, ok, timeout_s, what)
 
 
 def _error_of(e: openai.APIStatusError) -> dict:
@@ -156,7 +149,10 @@ def _chunk_token(ch, chat: bool) -> tuple[bool, str | None]:
 # -- the tests ---------------------------------------------------------------------------
 
 def test_routerd_state_comes_from_the_sidecars(stack):
-    st = router_state(stack)
+    # Fresh when the fixture looked; a scrape late on a loaded machine may make one stale
+    # for a moment since, so wait for the state asserted below rather than read it once.
+    st = wait_until(lambda: router_state(stack), lambda st: _all_fresh(stack, st), TIMEOUT_S,
+                    "routerd holding fresh sidecar state of every endpoint")
     assert st.policy == "round_robin" and st.queue_depth == 0
     by = {e.instance: e for e in st.endpoints}
     assert sorted(by) == stack.names
@@ -175,9 +171,12 @@ def test_routerd_state_comes_from_the_sidecars(stack):
     wait_until(lambda: router_state(stack),
                lambda st2: all(e.instance_state.sequence > seq[e.instance] and not e.stale for e in st2.endpoints),
                TIMEOUT_S, "newer sidecar snapshots of every endpoint")
-    m = routerd_metrics(stack)
-    assert metric_by(m, "phasewise_endpoint_state_stale", "endpoint") == {n: 0.0 for n in stack.names}
-    assert metric_by(m, "phasewise_endpoint_ready", "endpoint") == {n: 1.0 for n in stack.names}
+    fresh_gauges = ({n: 0.0 for n in stack.names}, {n: 1.0 for n in stack.names})
+    wait_until(lambda: routerd_metrics(stack),
+               lambda m: (metric_by(m, "phasewise_endpoint_state_stale", "endpoint"),
+                          metric_by(m, "phasewise_endpoint_ready", "endpoint")) == fresh_gauges,
+               TIMEOUT_S, "routerd's gauges phasewise_endpoint_state_stale 0 and phasewise_endpoint_ready 1 "
+               "for every endpoint")
     assert http_get(stack.url + "/readyz")[0] == 200
     # The served model is the one the sidecars report (routerd has no --model).
     with client(stack) as c:
@@ -456,16 +455,12 @@ def test_emulator_killed_mid_stream(stack):
         """SIGKILL the victim as soon as all k streams are generating; returns the victim's share.
 
         Runs in a thread: the event loop, busy with k streams, could delay a kill decided there."""
-        deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            elsewhere = sum(sum(emulator_load(u)) for u in others)
-            here = sum(emulator_load(victim_url))
-            if elsewhere + here == k:
-                stack.emulators[VICTIM].signal(signal.SIGKILL)
-                return here
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not every stream running: {elsewhere} + {here} of {k}")
-            time.sleep(0.02)
+        elsewhere, here = wait_until(
+            lambda: (sum(sum(emulator_load(u)) for u in others), sum(emulator_load(victim_url))),
+            lambda v: sum(v) == k, TIMEOUT_S, f"all {k} streams on the emulators (elsewhere, victim)",
+            interval_s=0.02)
+        stack.emulators[VICTIM].signal(signal.SIGKILL)
+        return here
 
     async def main() -> tuple[list, float]:
         started = [asyncio.Event() for _ in range(k)]
@@ -622,10 +617,19 @@ def test_a_client_closing_right_after_done_is_not_a_disconnect():
                 stream = await c.completions.create(model="m", prompt="p", max_tokens=1, stream=True)
                 assert [ch.choices[0].text async for ch in stream] == [" hi"]
             await asyncio.wait_for(ended.wait(), TIMEOUT_S)
-            await asyncio.sleep(0.1)  # routerd's handler ends right after the instance's body
-            return {k: sample(d, k, **lab) for k, lab in (
-                ("phasewise_requests_total", {"code": "200"}), ("phasewise_client_disconnects_total", {}),
-                ("phasewise_generation_tokens_total", {}), ("phasewise_request_e2e_seconds_count", {}))}
+
+            def books() -> dict[str, float]:
+                return {k: sample(d, k, **lab) for k, lab in (
+                    ("phasewise_requests_total", {"code": "200"}), ("phasewise_client_disconnects_total", {}),
+                    ("phasewise_generation_tokens_total", {}), ("phasewise_request_e2e_seconds_count", {}))}
+
+            # routerd's handler ends right after the instance's body and counts the request
+            # then: wait for that count, after which the disconnect counter is final.
+            def counted(b: dict[str, float]) -> bool:
+                return b["phasewise_requests_total"] >= 1 and b["phasewise_request_e2e_seconds_count"] >= 1
+
+            return await await_until(books, counted, TIMEOUT_S, "routerd counting the request "
+                                     "(phasewise_requests_total and phasewise_request_e2e_seconds_count)")
         finally:
             await d.stop()
             await runner.cleanup()

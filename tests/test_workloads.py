@@ -244,13 +244,15 @@ def test_mooncake_plain_and_gzip(tmp_path):
     gz = tmp_path / "m.jsonl.gz"
     gz.write_bytes(gzip.compress(mooncake_text(rows).encode()))
     for p in (plain, gz):
-        reqs = load_mooncake_jsonl(p)
+        # prefix=False: these rows' hash_ids are placeholders that do not match input_length,
+        # which the loader now checks (tests/test_workloads_prefix.py covers hash_ids).
+        reqs = load_mooncake_jsonl(p, prefix=False)
         assert [(r.id, r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [
             (0, 0.0, 100, 10),
             (1, 0.0, 200, 20),
             (2, 2.5, 300, 30),
         ]
-    assert len(load_mooncake_jsonl(gz, limit=2)) == 2
+    assert len(load_mooncake_jsonl(gz, limit=2, prefix=False)) == 2
 
 
 BAD_JSONL = [
@@ -301,7 +303,7 @@ def test_unknown_workload_lists_valid_names():
     with pytest.raises(WorkloadError) as ei:
         load_workload("foo")
     msg = str(ei.value)
-    valid = "azure-code, azure-conv, mooncake, paper-mix, public-mix, sample"
+    valid = "azure-code, azure-conv, mooncake, paper-mix, public-mix, sample, shared-prefix"
     assert msg.startswith(f"unknown workload 'foo'; valid: {valid}")
     assert "\n" not in msg
     assert isinstance(ei.value, ValueError)
@@ -520,4 +522,6 @@ def test_public_mix_bad_row_names_file_row_field(tmp_path):
 
 def test_workload_names():
     assert WORKLOAD_NAMES[0] == "sample"
-    assert set(WORKLOAD_NAMES) == {"sample", "azure-conv", "azure-code", "mooncake", "public-mix", "paper-mix"}
+    assert set(WORKLOAD_NAMES) == {
+        "sample", "azure-conv", "azure-code", "mooncake", "public-mix", "paper-mix", "shared-prefix",
+    }

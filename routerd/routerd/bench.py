@@ -3,21 +3,33 @@
 Every policy sees the same requests (same arrivals, lengths and predictions), the same
 number of instances and the same hardware profile; each run is seeded, so a bench is
 reproducible. Summaries are computed by :func:`routerd.sim.report.summarize`.
+
+Beyond one run: :func:`seed_workloads` draws one workload per seed (a generator re-drawn,
+a trace re-windowed), :class:`SeedsResult` pairs each policy with round robin seed by seed
+(:func:`paired_interval`, a 95% t-interval of the per-seed changes in %),
+:func:`load_to_rate` sets the arrival rate relative to round robin's capacity, and
+:func:`capacity_at_slo` finds the highest arrival rate at which a policy meets latency
+limits.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import random
-from dataclasses import dataclass, field
+import statistics
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Callable, Sequence
+
+import numpy as np
 
 from routerd.model import PREDICTOR_BUCKET_EDGES, Request
 from routerd.policies.base import PolicyContext, RoutingPolicy
 from routerd.policies.registry import build_policy_from_spec, parse_policy_spec
-from routerd.profiles import HardwareProfile
+from routerd.profiles import HardwareProfile, ProfileError
 from routerd.sim import ClusterSimulator, prepare_requests
-from routerd.sim.report import Summary, summarize
+from routerd.sim.report import Summary, arrays, summarize
 
 
 @dataclass
@@ -30,6 +42,9 @@ class PolicyResult:
     holds: int
     wall_s: float
     forced_dispatches: int = 0
+    records: dict[str, np.ndarray] | None = field(default=None, repr=False)
+    """Per-request arrays of the run (:func:`routerd.sim.report.arrays`), for the
+    per-request CSV and the CDF plots; None where not kept."""
 
 
 @dataclass
@@ -45,6 +60,10 @@ class BenchResult:
     rejected: int
     clipped: int
     results: list[PolicyResult] = field(default_factory=list)
+    header_extra: str = ""
+    """Text appended to the table's header line (a ``--load`` or ``--max-model-len`` note)."""
+    seed_label: str | None = None
+    """Set on a table of means over seeds: replaces ``seed=S`` in the header."""
 
     def baseline(self) -> PolicyResult | None:
         """The ``round_robin`` result, the reference of every change in %."""
@@ -64,6 +83,7 @@ class BenchResult:
             if base is not None:
                 row["e2e_mean_change_pct"] = pct(r.summary.e2e_mean, base.summary.e2e_mean)
                 row["makespan_change_pct"] = pct(r.summary.makespan, base.summary.makespan)
+                row["ttft_p90_change_pct"] = pct(r.summary.ttft_p90, base.summary.ttft_p90)
             rows.append(row)
         return {
             "workload": self.workload, "profile": self.profile, "instances": self.instances,
@@ -132,9 +152,432 @@ def run_bench(
             out = BenchResult(workload_name, profile.name, instances, prediction, seed,
                               len(prep.requests), len(prep.rejected), prep.clipped)
         out.results.append(PolicyResult(spec, summarize(run), run.decisions, run.holds, wall,
-                                        run.forced_dispatches))
+                                        run.forced_dispatches, arrays(run)))
     assert out is not None
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile override
+
+
+def with_max_model_len(profile: HardwareProfile, max_model_len: int) -> HardwareProfile:
+    """``profile`` with ``max_model_len`` (tokens) replaced, re-validated.
+
+    ``model_copy(update=...)`` skips validation, so the copy is validated again: a value the
+    KV cache cannot hold (vLLM refuses to start then) or one a non-chunked prefill budget
+    cannot take fails as a profile file would.
+
+    Raises:
+        ProfileError: the profile's one-line error, naming ``max_model_len``.
+    """
+    from pydantic import ValidationError
+
+    try:
+        return HardwareProfile.model_validate(profile.model_copy(update={"max_model_len": max_model_len}).model_dump())
+    except ValidationError as e:
+        msg = e.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ProfileError(f"profile {profile.name!r}: field max_model_len: --max-model-len {max_model_len}: "
+                           f"{msg}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Several seeds: one workload per seed, paired intervals against round robin
+
+
+def seed_workloads(
+    name: str,
+    seeds: Sequence[int],
+    *,
+    rate: float | None = None,
+    limit: int | None = None,
+    n: int | None = None,
+    data_dir: str | Path | None = None,
+):
+    """One :class:`routerd.workloads.registry.Workload` per seed, as the workload allows.
+
+    - Generators (``public-mix``, ``paper-mix``, ``shared-prefix[:SPEC]``) are re-drawn with
+      each seed.
+    - Traces take no seed (:func:`~routerd.workloads.registry.load_workload`), so the
+      ``i``-th seed gets the ``i``-th contiguous window of the trace: windows of ``limit``
+      requests (the trace must hold ``len(seeds) * limit``), or, without ``limit``, the
+      trace cut into ``len(seeds)`` equal windows. Ids are renumbered from 0; arrival times
+      keep the trace's clock (only differences matter); ``rate`` rescales each window.
+
+    With one seed this is exactly ``load_workload(name, rate=, limit=, n=, seed=)``.
+
+    Raises:
+        routerd.workloads.WorkloadError: as ``load_workload``, or a trace too short for the
+            windows (fewer than 2 requests per window, or fewer than ``seeds * limit``).
+    """
+    from routerd.workloads.errors import WorkloadError
+    from routerd.workloads.registry import Workload, load_workload
+    from routerd.workloads.traces import rescale_to_rate
+
+    from routerd.workloads import registry
+
+    # Generators take ``n`` and ``seed`` (``shared-prefix:SPEC`` is one of them too).
+    generators = getattr(registry, "GENERATOR_NAMES", ("public-mix", "paper-mix"))
+    seeds = list(seeds)
+    if len(seeds) == 1 or name.partition(":")[0] in generators:
+        return [load_workload(name, rate=rate, limit=limit, n=n, seed=s, data_dir=data_dir) for s in seeds]
+    k = len(seeds)
+    full = load_workload(name, limit=None if limit is None else limit * k, n=n, data_dir=data_dir)
+    size = limit if limit is not None else len(full.requests) // k
+    if size < 2 or len(full.requests) < size * k:
+        raise WorkloadError(
+            f"workload {name!r}: {len(full.requests)} requests cannot give {k} windows (one per seed) of "
+            f"{size} requests" + (f" (--limit {limit})" if limit is not None else "") + "; use fewer seeds")
+    out = []
+    for i in range(k):
+        win = full.requests[i * size:(i + 1) * size]
+        if i:
+            win = [r.model_copy(update={"id": j}) for j, r in enumerate(win)]
+        desc = f"{full.description}; window {i} (requests {i * size}-{(i + 1) * size - 1})"
+        if rate is not None:
+            win = rescale_to_rate(win, rate)
+            desc += f", rescaled to {rate:g} req/s"
+        out.append(Workload(full.name, win, desc, full.native_rate))
+    return out
+
+
+def load_to_rate(requests: Sequence[Request], profile: HardwareProfile, instances: int, load: float):
+    """Rescale ``requests`` to ``load`` times round robin's saturated throughput.
+
+    Capacity is :func:`routerd.sim.capacity.round_robin_capacity` on these requests and
+    this pool (the project's definition of load, ``docs/results.md``: 0.8x, 1.5x, 2x).
+
+    Returns:
+        ``(requests, capacity_rps, rate_rps)``.
+
+    Raises:
+        ValueError: ``load`` is not a finite number > 0.
+    """
+    from routerd.sim.capacity import round_robin_capacity
+    from routerd.workloads.traces import rescale_to_rate
+
+    if not (isinstance(load, (int, float)) and math.isfinite(load) and load > 0):
+        raise ValueError(f"load must be a finite number > 0, got {load!r}")
+    cap = round_robin_capacity(requests, profile, instances)
+    rate = load * cap
+    return rescale_to_rate(list(requests), rate), cap, rate
+
+
+#: Two-sided 95% quantiles of Student's t, ``t_{0.975, df}`` (any statistics table, e.g.
+#: NIST/SEMATECH e-Handbook §1.3.6.7.2); ``math.inf`` is the normal 1.959964.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+         10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
+         18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060,
+         26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980,
+         math.inf: 1.959964}
+
+
+def t975(df: int) -> float:
+    """``t_{0.975, df}``: exact (3 decimals) for df 1-30, 40, 60, 120; between table rows
+    linear in ``1/df`` (the standard interpolation for t tables), error < 0.002.
+
+    Raises:
+        ValueError: ``df < 1``.
+    """
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if df in _T975:
+        return _T975[df]
+    keys = sorted(_T975)
+    hi = next(k for k in keys if k > df)
+    lo = max(k for k in keys if k < df)
+    w = (1 / lo - 1 / df) / (1 / lo - (0.0 if hi == math.inf else 1 / hi))
+    return _T975[lo] + w * (_T975[hi] - _T975[lo])
+
+
+@dataclass(frozen=True)
+class PairedInterval:
+    """A paired 95% interval of a policy's change against round robin, in %."""
+
+    mean: float
+    """Mean of the per-seed changes ``d_i`` (%)."""
+    low: float | None
+    """``mean - t * s / sqrt(n)`` (%); None with one seed."""
+    high: float | None
+    """``mean + t * s / sqrt(n)`` (%); None with one seed."""
+    n: int
+    """Seeds (pairs)."""
+    diffs: tuple[float, ...]
+    """The per-seed changes ``d_i`` (%)."""
+
+    def as_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {"mean_pct": self.mean, "low_pct": self.low, "high_pct": self.high, "n": self.n,
+                "per_seed_pct": list(self.diffs)}
+
+
+def paired_interval(values: Sequence[float], base: Sequence[float]) -> PairedInterval:
+    """Paired 95% t-interval of the change of ``values`` against ``base``, seed by seed.
+
+    With ``d_i = 100 * (values_i - base_i) / base_i`` for the ``n`` seeds (policy and round
+    robin on the same workload draw, so seed-to-seed workload variation cancels):
+    ``mean(d) ± t_{0.975, n-1} * stdev(d) / sqrt(n)``, ``stdev`` the sample standard
+    deviation (``statistics.stdev``, divisor ``n - 1``); the paired t-interval of any
+    statistics text (e.g. Montgomery & Runger, Applied Statistics, §10-4).
+
+    Raises:
+        ValueError: the sequences differ in length or are empty.
+    """
+    if len(values) != len(base) or not values:
+        raise ValueError(f"paired interval needs equal, non-empty sequences, got {len(values)} and {len(base)}")
+    d = tuple(pct(v, b) for v, b in zip(values, base))
+    n = len(d)
+    mean = statistics.fmean(d)
+    if n < 2:
+        return PairedInterval(mean, None, None, n, d)
+    half = t975(n - 1) * statistics.stdev(d) / math.sqrt(n)
+    return PairedInterval(mean, mean - half, mean + half, n, d)
+
+
+#: Summary fields compared seed by seed against round robin.
+INTERVAL_METRICS = ("e2e_mean", "ttft_p90", "makespan")
+
+
+@dataclass
+class SeedsResult:
+    """One :class:`BenchResult` per seed, the same policies in the same order."""
+
+    runs: list[BenchResult]
+
+    @property
+    def seeds(self) -> list[int]:
+        """The seeds, in run order."""
+        return [b.seed for b in self.runs]
+
+    def intervals(self) -> dict[str, dict[str, PairedInterval]]:
+        """``policy spec -> metric -> PairedInterval`` for every policy and
+        :data:`INTERVAL_METRICS`; empty when no ``round_robin`` ran."""
+        if self.runs[0].baseline() is None:
+            return {}
+        out: dict[str, dict[str, PairedInterval]] = {}
+        for i, r in enumerate(self.runs[0].results):
+            out[r.spec] = {
+                m: paired_interval([getattr(b.results[i].summary, m) for b in self.runs],
+                                   [getattr(b.baseline().summary, m) for b in self.runs])
+                for m in INTERVAL_METRICS
+            }
+        return out
+
+    def mean_bench(self) -> BenchResult:
+        """The runs averaged: each summary field is its mean over seeds, except the prefix
+        hit rate (pooled: summed hits / summed queries); requests, rejected, clipped are sums."""
+        if len(self.runs) == 1:
+            return self.runs[0]
+        first = self.runs[0]
+        out = BenchResult(first.workload, first.profile, first.instances, first.prediction, first.seed,
+                          sum(b.requests for b in self.runs), sum(b.rejected for b in self.runs),
+                          sum(b.clipped for b in self.runs), header_extra=first.header_extra,
+                          seed_label=",".join(str(s) for s in self.seeds) + " (means over seeds)")
+        for i, r in enumerate(first.results):
+            sums = [b.results[i].summary for b in self.runs]
+            vals = {f.name: statistics.fmean(getattr(s, f.name) for s in sums)
+                    for f in fields(Summary) if f.name != "prefix_hit_rate"}
+            q = sum(s.prefix_queries for s in sums)
+            vals["prefix_hit_rate"] = sum(s.prefix_hits for s in sums) / q if q > 0 else None
+            runs = [b.results[i] for b in self.runs]
+            out.results.append(PolicyResult(
+                r.spec, Summary(**vals), round(statistics.fmean(x.decisions for x in runs)),
+                round(statistics.fmean(x.holds for x in runs)), statistics.fmean(x.wall_s for x in runs),
+                round(statistics.fmean(x.forced_dispatches for x in runs))))
+        return out
+
+    def as_dict(self) -> dict:
+        """JSON-ready dict: one seed gives :meth:`BenchResult.as_dict` unchanged; several give
+        the means (as that dict), ``seeds``, ``intervals`` (policy -> metric -> interval) and
+        ``per_seed`` (one :meth:`BenchResult.as_dict` per seed)."""
+        if len(self.runs) == 1:
+            return self.runs[0].as_dict()
+        d = self.mean_bench().as_dict()
+        d["seed"] = self.seeds[0]
+        d["seeds"] = self.seeds
+        d["intervals"] = {spec: {m: iv.as_dict() for m, iv in per.items()}
+                          for spec, per in self.intervals().items()}
+        d["per_seed"] = [b.as_dict() for b in self.runs]
+        return d
+
+
+#: Columns of the per-request CSV, in order (times in s, lengths in tokens).
+REQUEST_COLUMNS = ("policy", "seed", "request_id", "arrival_s", "instance", "prompt_tokens", "output_tokens",
+                   "cached_tokens", "ttft_s", "e2e_s", "tpot_s", "preemptions")
+
+
+def request_rows(benches: Sequence[BenchResult]):
+    """One tuple per simulated request per policy per seed, in :data:`REQUEST_COLUMNS` order.
+
+    ``ttft_s = first token - arrival``, ``e2e_s = finish - arrival``, ``tpot_s = (finish -
+    first token) / (output - 1)`` (None for one output token), as
+    :mod:`routerd.sim.report` defines them; ``cached_tokens`` is -1 where not tracked.
+    Policies run without records (``records=None``) give no rows.
+    """
+    for b in benches:
+        for r in b.results:
+            a = r.records
+            if a is None:
+                continue
+            for k in range(len(a["id"])):
+                arr, ft, fin, out = float(a["arrival"][k]), float(a["first_token"][k]), float(a["finish"][k]), \
+                    int(a["output"][k])
+                yield (r.spec, b.seed, int(a["id"][k]), arr, int(a["instance"][k]), int(a["prompt"][k]), out,
+                       int(a["cached"][k]), ft - arr, fin - arr, (fin - ft) / (out - 1) if out > 1 else None,
+                       int(a["preemptions"][k]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Capacity at SLO
+
+#: Summary fields an SLO may limit (seconds).
+SLO_METRICS = tuple(f"{m}_{p}" for m in ("ttft", "tpot", "e2e") for p in ("mean", "p50", "p90", "p99"))
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """``"ttft_p90=2,tpot_p90=0.05"`` -> ``{"ttft_p90": 2.0, "tpot_p90": 0.05}`` (seconds).
+
+    Raises:
+        ValueError: an empty text, a key not in :data:`SLO_METRICS`, a repeated key, or a
+            value that is not a finite number > 0 (the message names the item).
+    """
+    out: dict[str, float] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        key, eq, val = item.partition("=")
+        key = key.strip()
+        if not eq or key not in SLO_METRICS:
+            raise ValueError(f"SLO item {item!r}: expected METRIC=SECONDS with METRIC one of {', '.join(SLO_METRICS)}")
+        if key in out:
+            raise ValueError(f"SLO item {item!r}: {key} given twice")
+        try:
+            v = float(val)
+        except ValueError:
+            v = math.nan
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"SLO item {item!r}: the limit must be a finite number of seconds > 0")
+        out[key] = v
+    if not out:
+        raise ValueError("the SLO is empty; e.g. ttft_p90=2,tpot_p90=0.05")
+    return out
+
+
+def meets_slo(summary: Summary, limits: dict[str, float]) -> bool:
+    """Whether every limited summary field is at or below its limit (seconds)."""
+    return all(getattr(summary, k) <= v for k, v in limits.items())
+
+
+@dataclass
+class SloCapacity:
+    """One policy's capacity at SLO (:func:`capacity_at_slo`)."""
+
+    spec: str
+    rate_rps: float
+    """Highest probed arrival rate that met the SLO (req/s); 0.0 if none did."""
+    fail_rate_rps: float | None
+    """Lowest probed rate above ``rate_rps`` that failed it (req/s), within ``(1 + tol)``
+    of ``rate_rps`` once bisection ended; None if none failed up to the probe limit."""
+    summary: Summary | None
+    """The run at ``rate_rps`` (None if no rate met the SLO)."""
+    probes: list[tuple[float, bool]]
+    """Every ``(rate_rps, met)`` evaluated, in order."""
+
+    def as_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {"policy": self.spec, "rate_rps": self.rate_rps, "fail_rate_rps": self.fail_rate_rps,
+                "evaluations": len(self.probes), "probes": [list(p) for p in self.probes],
+                "summary": self.summary.as_dict() if self.summary else None}
+
+
+def capacity_at_slo(
+    requests: Sequence[Request],
+    profile: HardwareProfile,
+    instances: int,
+    spec: str,
+    limits: dict[str, float],
+    *,
+    seed: int = 0,
+    prediction: str = "true",
+    tol: float = 0.02,
+    start_rate: float | None = None,
+    action_interval_s: float = 0.02,
+    max_steps: int = 16,
+) -> SloCapacity:
+    """The highest arrival rate (req/s) at which policy ``spec`` meets ``limits``.
+
+    The rate scales the workload's arrival times (:func:`routerd.workloads.traces.rescale_to_rate`,
+    the shape of the arrival process kept), as loads relative to capacity are set
+    (``docs/results.md``). From ``start_rate`` (default: round robin's saturated throughput,
+    :func:`routerd.sim.capacity.round_robin_capacity`) the rate is doubled until the SLO
+    fails or halved until it holds (at most ``max_steps`` times each), then bisected
+    geometrically until ``fail / ok <= 1 + tol``. Each probe is a fresh, seeded
+    simulation (new policy, same ``seed``), so the result is reproducible. Bisection
+    assumes that meeting the SLO is monotone in the rate; ``probes`` records every
+    evaluation so a non-monotone case can be seen. Requests the profile rejects
+    (prompt >= ``max_model_len``) are not counted, as in :func:`run_bench`.
+
+    Args:
+        limits: summary field -> limit in s (:func:`parse_slo`).
+        tol: relative tolerance of the answer (0.02 = within 2%).
+
+    Raises:
+        ValueError: ``tol`` not in (0, 1], an empty ``limits`` or an unknown field in it.
+        routerd.policies.registry.PolicyError: a bad policy spec.
+    """
+    from routerd.sim.capacity import round_robin_capacity
+    from routerd.workloads.traces import rescale_to_rate
+
+    if not (0 < tol <= 1):
+        raise ValueError(f"tol must be in (0, 1], got {tol!r}")
+    if not limits or any(k not in SLO_METRICS for k in limits):
+        raise ValueError(f"limits must name some of {', '.join(SLO_METRICS)}, got {sorted(limits)}")
+    ctx = PolicyContext(profile, instances, seed=seed, bucket_edges=PREDICTOR_BUCKET_EDGES)
+    build_policy_from_spec(spec, ctx)  # a bad spec fails before any simulation
+    probes: list[tuple[float, bool]] = []
+    at: dict[float, Summary] = {}
+
+    def ok(rate: float) -> bool:
+        policy = build_policy_from_spec(spec, PolicyContext(profile, instances, seed=seed,
+                                                            bucket_edges=PREDICTOR_BUCKET_EDGES))
+        run, _ = run_policy(profile, instances, policy, rescale_to_rate(list(requests), rate),
+                            prediction=prediction, seed=seed, action_interval_s=action_interval_s)
+        s = summarize(run)
+        met = meets_slo(s, limits)
+        probes.append((rate, met))
+        if met:
+            at[rate] = s
+        return met
+
+    r = start_rate if start_rate is not None else round_robin_capacity(requests, profile, instances)
+    lo: float | None = None
+    hi: float | None = None
+    if ok(r):
+        lo = r
+        for _ in range(max_steps):
+            r *= 2
+            if not ok(r):
+                hi = r
+                break
+            lo = r
+    else:
+        hi = r
+        for _ in range(max_steps):
+            r /= 2
+            if ok(r):
+                lo = r
+                break
+            hi = r
+    if lo is None:
+        return SloCapacity(spec, 0.0, hi, None, probes)
+    if hi is not None:
+        while hi / lo > 1 + tol:
+            mid = math.sqrt(lo * hi)
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid
+    return SloCapacity(spec, lo, hi, at[lo], probes)
 
 
 # ---------------------------------------------------------------------------------------------

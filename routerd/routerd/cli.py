@@ -50,11 +50,30 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                         "own predictions) | none")
     p.add_argument("--action-interval", type=float, default=0.02, help="router tick while holding (s)")
     p.add_argument("--data-dir", default=None, help="folder with traces/ and prompts/ (../shared/data)")
-    p.add_argument("--out", "-o", default="bench-out", help="folder for bench.json and bench.png")
+    p.add_argument("--out", "-o", default="bench-out",
+                   help="folder for bench.json, requests.csv (one row per simulated request) and bench.png")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--study8", action="store_true",
                    help="the paper's 8-request study: all 2^8 assignments to 2 instances (writes study8.json; "
                         "uses --profile, --policies, --seed; ignores the workload and --instances)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="run seeds SEED..SEED+N-1: generators are re-drawn per seed, traces cut into N "
+                        "contiguous windows (of --limit requests each if given); prints paired 95%% intervals "
+                        "of the change against round_robin (default 1)")
+    p.add_argument("--load", type=float, default=None,
+                   help="arrival rate as a multiple of round robin's saturated throughput on this workload and "
+                        "pool (e.g. 0.8, 1.5, 2); excludes --rate")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="override the profile's max_model_len (tokens); must fit its KV cache")
+    p.add_argument("--capacity-slo", default=None, metavar="LIMITS",
+                   help="capacity-at-SLO mode: per policy, the highest arrival rate whose summary meets LIMITS, "
+                        "e.g. ttft_p90=2,tpot_p90=0.05 (seconds; keys ttft/tpot/e2e _mean/_p50/_p90/_p99); "
+                        "writes capacity.json")
+    p.add_argument("--slo-tolerance", type=float, default=0.02,
+                   help="relative tolerance of --capacity-slo's bisection (default 0.02 = 2%%)")
+    p.add_argument("--plot", default=None, metavar="DIR",
+                   help="write change.png (change vs round_robin with 95%% intervals), ttft_cdf.png and "
+                        "e2e_cdf.png (capacity.png with --capacity-slo) into DIR")
 
 
 def _split_specs(text: str) -> list[str]:
@@ -95,17 +114,50 @@ def _print_notes(notes: list[str]) -> None:
         print(f"phasewise: note: {note}", file=sys.stderr)
 
 
+def _make_dir(flag: str, path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path}: exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot create the folder ({e.strerror})") from None
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from routerd.bench import eight_request_study, run_bench
-    from routerd.bench_report import format_study, format_table, plot_bench
+    import math
+
+    from routerd.bench import (SeedsResult, capacity_at_slo, eight_request_study, load_to_rate, parse_slo,
+                               run_bench, seed_workloads, with_max_model_len)
+    from routerd.bench_report import (format_capacity, format_intervals, format_study, format_table,
+                                      plot_bench, plot_capacity, plot_cdfs, plot_changes, write_requests_csv)
     from routerd.profiles import get_profile
-    from routerd.workloads.registry import load_workload
 
     if args.instances < 1:
         raise UsageError(f"--instances must be >= 1, got {args.instances}")
     if not (1e-4 <= args.action_interval < float("inf")):
         raise UsageError(f"--action-interval must be a finite number of seconds >= 1e-4, got {args.action_interval}")
+    if args.seeds < 1:
+        raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.load is not None:
+        if not (math.isfinite(args.load) and args.load > 0):
+            raise UsageError(f"--load must be a finite multiple > 0 of round robin's capacity, got {args.load}")
+        if args.rate is not None:
+            raise UsageError("--load and --rate both set the arrival rate; give one")
+    limits = None
+    if args.capacity_slo is not None:
+        try:
+            limits = parse_slo(args.capacity_slo)
+        except ValueError as e:
+            raise UsageError(f"--capacity-slo: {e}") from None
+        if args.rate is not None or args.load is not None:
+            raise UsageError("--capacity-slo searches the arrival rate; drop --rate / --load")
+        if not (0 < args.slo_tolerance <= 1):
+            raise UsageError(f"--slo-tolerance must be in (0, 1], got {args.slo_tolerance}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise UsageError(f"--max-model-len must be >= 1 tokens, got {args.max_model_len}")
     profile = get_profile(args.profile)
+    if args.max_model_len is not None:
+        profile = with_max_model_len(profile, args.max_model_len)
     # The 8-request study runs on 2 instances whatever --instances says.
     m = 2 if args.study8 else args.instances
     if args.policies is not None:
@@ -123,12 +175,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         parse_prediction(args.prediction)
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out}: exists and is not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror})") from None
+    _make_dir("--out", out)
+    plot_dir = Path(args.plot) if args.plot is not None else None
+    if plot_dir is not None:
+        _make_dir("--plot", plot_dir)
     if args.study8:
         _print_notes(notes)
         study = eight_request_study(profile, specs, seed=args.seed, prediction=args.prediction)
@@ -137,43 +187,125 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         (out / "study8.json").write_text(json.dumps(study.as_dict(), indent=2))
         print(f"wrote {out / 'study8.json'}")
         return 0
-    wl = load_workload(args.workload, rate=args.rate, limit=args.limit, n=args.n, seed=args.seed,
-                       data_dir=args.data_dir)
-    requests, prediction = wl.requests, args.prediction
-    fitting = sum(1 for r in requests if r.prompt_tokens < profile.max_model_len)
-    if fitting == 0:
-        raise UsageError(f"all {len(requests)} requests of {wl.name!r} are rejected: every prompt is "
-                         f">= max_model_len={profile.max_model_len} of profile {profile.name!r}")
+    seeds = [args.seed + i for i in range(args.seeds)]
+    wls = seed_workloads(args.workload, seeds, rate=args.rate, limit=args.limit, n=args.n,
+                         data_dir=args.data_dir)
+    pred = None
+    per_seed = []  # (seed, workload, requests, prediction mode)
+    for seed, wl in zip(seeds, wls):
+        requests, prediction = wl.requests, args.prediction
+        fitting = sum(1 for r in requests if r.prompt_tokens < profile.max_model_len)
+        if fitting == 0:
+            raise UsageError(f"all {len(requests)} requests of {wl.name!r} are rejected: every prompt is "
+                             f">= max_model_len={profile.max_model_len} of profile {profile.name!r}")
+        if prediction.startswith("predictor:"):
+            # A real predictor, run once per request before simulating (mode "given").
+            from routerd.model import PREDICTOR_BUCKET_EDGES
+            from routerd.predictor import assign_predictions, load_predictor
 
-    if prediction.startswith("predictor:"):
-        # A real predictor, run once per request before simulating (mode "given").
-        from routerd.model import PREDICTOR_BUCKET_EDGES
-        from routerd.predictor import assign_predictions, load_predictor
-
-        spec = prediction.partition(":")[2]
-        pred = load_predictor(spec, data_dir=args.data_dir, edges=PREDICTOR_BUCKET_EDGES)
-        requests = assign_predictions(requests, pred, edges=PREDICTOR_BUCKET_EDGES)
-        prediction = "given"
-    elif prediction == "given" and any(r.predicted_bucket is None for r in requests):
-        raise UsageError(f"--prediction given: workload {wl.name!r} carries no predictions; "
-                         "use --prediction predictor:SPEC (majority, task-prior, length-only, "
-                         "length+task or a trained model folder)")
+            if pred is None:
+                pred = load_predictor(prediction.partition(":")[2], data_dir=args.data_dir,
+                                      edges=PREDICTOR_BUCKET_EDGES)
+            requests = assign_predictions(requests, pred, edges=PREDICTOR_BUCKET_EDGES)
+            prediction = "given"
+        elif prediction == "given" and any(r.predicted_bucket is None for r in requests):
+            raise UsageError(f"--prediction given: workload {wl.name!r} carries no predictions; "
+                             "use --prediction predictor:SPEC (majority, task-prior, length-only, "
+                             "length+task or a trained model folder)")
+        per_seed.append((seed, wl, requests, prediction))
     _print_notes(notes)
-    progress_factory = _progress_factory()
-    bench = run_bench(requests, profile, args.instances, specs, workload_name=wl.name,
-                      prediction=prediction, seed=args.seed, action_interval_s=args.action_interval,
-                      progress_factory=progress_factory)
-    # Simulated with the predictions assigned up front ("given"); report which predictor made them.
-    bench.prediction = args.prediction
-    print(format_table(bench))
+    mml = f" max_model_len={profile.max_model_len} (--max-model-len)" if args.max_model_len is not None else ""
+    base_progress = _progress_factory()
+
+    def progress_for(seed: int):
+        if base_progress is None or len(seeds) == 1:
+            return base_progress
+        return lambda spec, total: base_progress(f"{spec} (seed {seed})", total)
+
+    if limits is not None:
+        return _bench_capacity(args, profile, specs, per_seed, limits, out, plot_dir,
+                               format_capacity, plot_capacity, capacity_at_slo)
+
+    benches, loads = [], []
+    for seed, wl, requests, prediction in per_seed:
+        extra = mml
+        if args.load is not None:
+            requests, cap, rate = load_to_rate(requests, profile, args.instances, args.load)
+            loads.append((cap, rate))
+            extra = f" load={args.load:g}x round_robin capacity ({cap:.2f} req/s) = {rate:.2f} req/s" + extra
+        bench = run_bench(requests, profile, args.instances, specs, workload_name=wl.name,
+                          prediction=prediction, seed=seed, action_interval_s=args.action_interval,
+                          progress_factory=progress_for(seed))
+        # Simulated with the predictions assigned up front ("given"); report which predictor made them.
+        bench.prediction = args.prediction
+        bench.header_extra = extra
+        benches.append(bench)
+    result = SeedsResult(benches)
+    shown = result.mean_bench()
+    if loads and len(loads) > 1:
+        cap = sum(c for c, _ in loads) / len(loads)
+        rate = sum(r for _, r in loads) / len(loads)
+        shown.header_extra = (f" load={args.load:g}x round_robin capacity (mean {cap:.2f} req/s) = mean "
+                              f"{rate:.2f} req/s") + mml
+    print(format_table(shown))
+    if len(benches) > 1:
+        ivs = format_intervals(result)
+        if ivs:
+            print(ivs)
     out.mkdir(parents=True, exist_ok=True)
-    data = bench.as_dict()
-    data["workload_description"] = wl.description
+    data = result.as_dict()
+    descs = [wl.description for _, wl, _, _ in per_seed]
+    data["workload_description"] = descs[0] if len(descs) == 1 else descs
+    data["max_model_len"] = profile.max_model_len
+    if args.load is not None:
+        data["load"] = {"load": args.load, "capacity_rps": [c for c, _ in loads], "rate_rps": [r for _, r in loads]}
     (out / "bench.json").write_text(json.dumps(data, indent=2))
     written = [str(out / "bench.json")]
+    write_requests_csv(benches, out / "requests.csv")
+    written.append(str(out / "requests.csv"))
     if not args.no_plot:
-        plot_bench(bench, out / "bench.png")
+        plot_bench(shown, out / "bench.png")
         written.append(str(out / "bench.png"))
+    if plot_dir is not None:
+        if plot_changes(result, plot_dir / "change.png"):
+            written.append(str(plot_dir / "change.png"))
+        plot_cdfs(benches, plot_dir / "ttft_cdf.png", plot_dir / "e2e_cdf.png")
+        written += [str(plot_dir / "ttft_cdf.png"), str(plot_dir / "e2e_cdf.png")]
+    print("wrote " + ", ".join(written))
+    return 0
+
+
+def _bench_capacity(args, profile, specs, per_seed, limits, out, plot_dir, format_capacity, plot_capacity,
+                    capacity_at_slo) -> int:
+    """``phasewise bench --capacity-slo``: capacity at SLO per policy and seed."""
+    from routerd.sim.capacity import round_robin_capacity
+
+    caps: dict[str, list] = {spec: [] for spec in specs}
+    starts = []
+    for seed, wl, requests, prediction in per_seed:
+        # Round robin's saturated throughput is every policy's first probe (one simulation saved per policy).
+        start = round_robin_capacity(requests, profile, args.instances)
+        starts.append(start)
+        for spec in specs:
+            caps[spec].append(capacity_at_slo(requests, profile, args.instances, spec, limits, seed=seed,
+                                              prediction=prediction, tol=args.slo_tolerance, start_rate=start,
+                                              action_interval_s=args.action_interval))
+    seeds = [s for s, _, _, _ in per_seed]
+    print(f"workload={per_seed[0][1].name} profile={profile.name} instances={args.instances} "
+          f"prediction={args.prediction}")
+    print(format_capacity(caps, limits, seeds, args.slo_tolerance))
+    data = {
+        "workload": per_seed[0][1].name, "profile": profile.name, "instances": args.instances,
+        "max_model_len": profile.max_model_len, "prediction": args.prediction, "seeds": seeds,
+        "limits_s": limits, "tolerance": args.slo_tolerance, "round_robin_saturated_rps": starts,
+        "workload_description": [wl.description for _, wl, _, _ in per_seed],
+        "results": {spec: [c.as_dict() for c in cs] for spec, cs in caps.items()},
+    }
+    (out / "capacity.json").write_text(json.dumps(data, indent=2))
+    written = [str(out / "capacity.json")]
+    if plot_dir is not None:
+        plot_capacity(caps, limits, plot_dir / "capacity.png")
+        written.append(str(plot_dir / "capacity.png"))
     print("wrote " + ", ".join(written))
     return 0
 

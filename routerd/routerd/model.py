@@ -39,6 +39,14 @@ class Request(BaseModel):
     """Task label when the workload has it (for predictors and reports)."""
     predicted_bucket: int | None = Field(default=None, ge=0)
     """Predicted output-length bucket index (see :func:`bucket_of`), or ``None``."""
+    prefix: tuple[tuple[int, int], ...] | None = None
+    """Prompt identity as content units ``(unit id, tokens)`` in prompt order, their tokens
+    summing to ``prompt_tokens``; two prompts share text exactly as far as their unit id
+    sequences agree (Mooncake ``hash_ids``: one unit per 512 tokens). ``None``: the prompt
+    shares nothing with any other request (no prefix caching for it)."""
+    response_id: int | None = None
+    """Content id of this request's response, when a later request's ``prefix`` carries it as a
+    unit (multi-turn sessions resend the answer). ``None``: a response nobody resends."""
 
 
 def bucket_of(tokens: int, edges: tuple[int, ...] = PREDICTOR_BUCKET_EDGES) -> int:

@@ -67,6 +67,10 @@ class HardwareProfile(BaseModel):
     """Whether a prefill may be split across iterations to fit the token budget."""
     max_model_len: int = Field(gt=0)
     """Longest prompt + output a request may have (tokens)."""
+    prefix_caching: bool = True
+    """Automatic prefix caching (vLLM V1's default, ``enable_prefix_caching``): full blocks of
+    earlier prompts are reused instead of recomputed (:mod:`routerd.prefix.cache`). Only requests
+    with prefix identity (``Request.prefix``) take part."""
     grad1: float = Field(gt=0)
     """Mixing estimator: prefill time per prompt token (s/token), paper §5.2."""
     grad2: float = Field(gt=0)

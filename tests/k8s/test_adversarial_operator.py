@@ -89,8 +89,8 @@ def test_corrupt_checkpoint_metadata_is_degraded_not_a_traceback_loop(k8s, kube,
         {"num_instances": 1, "format": "phasewise-dqn/0"})}})
     k8s.kubectl("patch", "-n", namespace, "llmrouterpool/ckbad", "--type=merge", "-p",
                 '{"spec": {"routing": {"queueLimit": 7}}}')
-    p = _where(kube, namespace, "ckbad", lambda o: "format" in condition(o, "Degraded")["message"], "format named",
-               timeout=30)
+    p = _where(kube, namespace, "ckbad", lambda o: "format" in (condition(o, "Degraded") or {}).get("message", ""),
+               "format named", timeout=30)
     assert kube.get("apps/v1", "Deployment", namespace, "ckbad-routerd") is None
 
 
@@ -191,5 +191,5 @@ def test_pool_deleted_mid_run_fails_the_job_and_stops_its_batch_job(k8s, kube, o
     j = wait_for(lambda: (lambda o: o if (o.get("status") or {}).get("phase") == "Failed" else None)(
         kube.get(G, "LLMRouterJob", namespace, "t1")), timeout=30, what="job Failed")
     assert j["status"]["message"].startswith("spec.poolRef.name: LLMRouterPool 'gone' not found"), j["status"]
-    wait_for(lambda: kube.get("batch/v1", "Job", namespace, "t1")["spec"].get("suspend") is True,
+    wait_for(lambda: ((kube.get("batch/v1", "Job", namespace, "t1") or {}).get("spec") or {}).get("suspend") is True,
              what="batch Job suspended")

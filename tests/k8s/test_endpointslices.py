@@ -13,6 +13,7 @@ from kubernetes import client
 
 from routerd.daemon.discovery import DiscoveredEndpoint as E
 from routerd.daemon.endpointslices import EndpointSliceWatcher
+from stack_processes import wait_until
 
 SERVICE = "vllm"
 PORTS = [{"name": "http", "port": 8000, "protocol": "TCP"},
@@ -278,9 +279,7 @@ def test_resuming_from_a_compacted_resource_version_gets_410_and_relists(uncache
             client.CoreV1Api(discovery.api_client).create_namespaced_config_map(
                 ns, client.V1ConfigMap(metadata=client.V1ObjectMeta(name=name)))
         cp.compact_etcd()
-        deadline = time.monotonic() + 15
-        while w.lists < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: w.lists, lambda n: n >= 2, 30, "the watcher listing again after 410 Gone (w.lists)")
     assert w.lists == 2
     msgs = [r.getMessage() for r in caplog.records]
     assert any("HTTP 410" in m for m in msgs), msgs

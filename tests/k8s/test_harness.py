@@ -7,15 +7,12 @@ import time
 
 import pytest
 from kubernetes import client
+from stack_processes import wait_until
 
 
-def _wait(pred, timeout=60.0, interval=0.2):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(interval)
-    return False
+def _wait(pred, what, timeout=60.0, interval=0.2):
+    """Poll ``pred()`` until true (``stack_processes.wait_until``); AssertionError naming ``what``."""
+    return wait_until(pred, bool, timeout, what, interval_s=interval)
 
 
 def test_version_is_stamped(k8s, k8s_client):
@@ -62,7 +59,9 @@ def test_rbac_is_enforced_for_a_service_account_token(k8s, k8s_client, namespace
             metadata=client.V1ObjectMeta(name="read-cm"),
             role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="Role", name="read-cm"),
             subjects=[client.RbacV1Subject(kind="ServiceAccount", name="reader", namespace=namespace)]))
-        assert _wait(lambda: _can_list(sa_core, namespace), timeout=10)
+        # RBAC's authorizer learns of the new binding through its informers, a moment later.
+        _wait(lambda: _can_list(sa_core, namespace), "the ServiceAccount allowed to list ConfigMaps by its new "
+              "RoleBinding", timeout=30)
 
 
 def _can_list(core, ns) -> bool:
@@ -92,7 +91,7 @@ def test_deleting_an_owner_garbage_collects_its_child(k8s, k8s_client, namespace
         except client.ApiException as e:
             return e.status == 404
 
-    assert _wait(child_gone, timeout=60), "the child was not garbage-collected within 60 s"
+    _wait(child_gone, "the child ConfigMap garbage-collected after its owner's deletion")
     print(f"\nchild garbage-collected {time.monotonic() - t:.2f} s after its owner's deletion")
 
 
@@ -111,7 +110,7 @@ def test_controller_manager_finalises_namespace_deletion(k8s, k8s_client):
         except client.ApiException as e:
             return e.status == 404
 
-    assert _wait(gone, timeout=60)
+    _wait(gone, "namespace t-doomed finalised and gone")
 
 
 def test_kubectl_talks_to_the_api_server(k8s, namespace):

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "operator"))
 
 from phasewise_operator.kube import ApiError, Kube  # noqa: E402
+from stack_processes import wait_until  # noqa: E402
 
 CRDS = [REPO / "crds" / "llmrouterpools.yaml", REPO / "crds" / "llmrouterjobs.yaml"]
 G = "phasewise.io/v1alpha1"
@@ -37,14 +38,13 @@ OPERATOR_ENV = {
 
 
 def wait_for(pred, timeout=20.0, interval=0.1, what="condition"):
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+    """Poll ``pred()`` until it is truthy and return that value (``stack_processes.wait_until``):
+    the operator, the controller manager and kopf write what these tests read asynchronously.
+
+    Raises:
+        AssertionError: not within ``timeout`` s; the message names ``what`` and the last value.
+    """
+    return wait_until(pred, bool, timeout, what, interval_s=interval)
 
 
 @pytest.fixture(scope="module")
@@ -267,17 +267,21 @@ def test_status_follows_the_instances(k8s, kube, operator, namespace, kcm):
              timeout=60, what="3 pods from the Deployment controller")
     rs = kube.request("GET", f"/apis/apps/v1/namespaces/{namespace}/replicasets")["items"]
     assert len(rs) == 2, [r["metadata"]["name"] for r in rs]  # one per Deployment: no spurious rollout
-    p = pool(kube, namespace, "st")
-    assert condition(p, "Ready")["status"] == "False"
+    # The Deployment controller may create the pods before the operator has written the
+    # pool's first status (issue 19): wait for the condition, then check what it says.
+    ready = wait_for(lambda: condition(pool(kube, namespace, "st"), "Ready"), timeout=30,
+                     what="the pool's Ready condition (the operator's first status write)")
+    assert ready["status"] == "False", ready
     make_pods_ready(kube, namespace, "phasewise.io/pool=st")
     p = wait_for(lambda: (lambda o: o if (o.get("status") or {}).get("readyInstances") == 2
-                          and condition(o, "Ready")["status"] == "True" else None)(pool(kube, namespace, "st")),
-                 timeout=30, what="readyInstances 2 and Ready")
+                          and (condition(o, "Ready") or {}).get("status") == "True" else None)(
+        pool(kube, namespace, "st")), timeout=30, what="readyInstances 2 and Ready")
     assert condition(p, "Ready")["reason"] == "Ready"
     # readyInstances comes from the Deployment, endpoints from EndpointSlices, which the
     # endpointslice controller updates later: wait for both Pods to appear there.
-    eps = wait_for(lambda: (lambda e: e if len(e) == 2 else None)(pool(kube, namespace, "st")["status"].get("endpoints")
-                                                                   or []), timeout=30, what="2 status.endpoints")
+    eps = wait_for(lambda: (lambda e: e if len(e) == 2 else None)(
+        (pool(kube, namespace, "st").get("status") or {}).get("endpoints") or []),
+        timeout=30, what="2 status.endpoints")
     assert len(eps) == 2 and all(e["url"].startswith("http://10.244.0.") and e["url"].endswith(":8000") for e in eps)
     assert all(e["stateAddress"].endswith(":50051") for e in eps)
 

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from routerd.model import PREDICTOR_BUCKET_EDGES
 
 if TYPE_CHECKING:
+    from routerd.prefix.chain import PrefixBlocks
     from routerd.profiles import HardwareProfile
 
 
@@ -38,6 +39,9 @@ class RequestFeatures:
     predicted_output_tokens: float
     """A point estimate of the output length from the predicted bucket (tokens)."""
     task: str | None = None
+    prefix: "PrefixBlocks | None" = None
+    """The prompt's full KV blocks as hash-chain extents (:mod:`routerd.prefix.chain`), what a
+    router can compute from the prompt; None when the prompt has no prefix identity."""
 
 
 @dataclass(slots=True, frozen=True)

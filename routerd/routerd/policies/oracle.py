@@ -1,17 +1,25 @@
 """``oracle`` (ORACLE): join the shortest queue measured with *true* output lengths.
 
-Not a published router: an upper-bound reference for the token-load family
-(``join_shortest_queue``, ``least_outstanding_tokens``, ``min_min``). It is
-``join_shortest_queue`` (paper A.2: fewest prompt + decode tokens still to process)
-with a perfect length predictor: per resident, the remaining prefill tokens
-(``prompt + generated`` while it still needs a (re)compute) plus its true remaining
-decode tokens; the new request adds its prompt plus its true output on every
-instance, so it does not change the choice. Lowest index on ties; it never holds.
+Not a published router, and not an upper bound: it is ``join_shortest_queue`` (paper
+A.2: fewest prompt + decode tokens still to process) with a perfect length predictor,
+so it shows what exact lengths are worth to the token-load family
+(``join_shortest_queue``, ``least_outstanding_tokens``, ``min_min``) and nothing more.
+Policies that use other signals beat it, because it ignores KV headroom and
+preemption: in the policy table of docs/results.md ``mixing_penalty`` and
+``late_binding`` have 7-22% lower mean E2E, and issue 13 found ``dqn`` ahead of it on
+the default ``phasewise bench`` too. A bound that no router can beat is
+``benchmarks/makespan_bound.py`` (a makespan lower bound from each request's least
+instance time).
+
+Per resident it counts the remaining prefill tokens (``prompt + generated`` while it
+still needs a (re)compute) plus its true remaining decode tokens; the new request adds
+its prompt plus its true output on every instance, so it does not change the choice.
+Lowest index on ties; it never holds. The name stays ``oracle`` (bench tables, specs and
+scripts use it); "oracle" means it reads true output lengths, as ``decode_balancer`` does.
 
 An earlier version estimated each instance's drain time with the latency model;
 on the policy table (benchmarks/policy_table.py) it sent requests to whichever
-instance's *longest* request ended first and lost to round robin, so it was no
-useful bound.
+instance's *longest* request ended first and lost to round robin.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ class Params(PolicyParams):
 
 
 class Oracle(RoutingPolicy):
-    """Least true outstanding tokens (prefill + decode); oracle."""
+    """Join-shortest-queue on true outstanding tokens (prefill + decode); an oracle reference, not an upper bound."""
 
     name = "oracle"
     Params = Params

@@ -15,17 +15,22 @@ from pydantic import ValidationError
 from routerd.policies.base import PolicyContext, PolicySetupError, RoutingPolicy
 from routerd.policies.decode_balancer import DecodeBalancer
 from routerd.policies.dqn.policy import DQNPolicy
+from routerd.policies.dynamo_kv import DynamoKv
 from routerd.policies.join_shortest_queue import JoinShortestQueue
 from routerd.policies.kv_headroom import LateBinding
 from routerd.policies.kv_queue_scorer import QueueKvScorer
 from routerd.policies.least_outstanding_tokens import LeastOutstandingTokens
+from routerd.policies.llmd import LlmD
+from routerd.policies.lmetric import LMetric
 from routerd.policies.max_capacity_usage import MaxCapacityUsage
 from routerd.policies.min_min import MinMin
 from routerd.policies.mixing_penalty import MixingPenalty
 from routerd.policies.oracle import Oracle
+from routerd.policies.phasewise import Phasewise
 from routerd.policies.power_of_two_choices import PowerOfTwoChoices
 from routerd.policies.random_choice import RandomChoice
 from routerd.policies.round_robin import RoundRobin
+from routerd.policies.sglang_cache_aware import SglangCacheAware
 
 
 class PolicyError(ValueError):
@@ -45,6 +50,13 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
         QueueKvScorer,
         MixingPenalty,
         LateBinding,
+        # The anchors' prefix-cache-aware policies (shared/docs/prefix-routing.md §2).
+        LlmD,
+        SglangCacheAware,
+        DynamoKv,
+        LMetric,
+        # Phasewise's own (routerd/policies/phasewise.py).
+        Phasewise,
         DecodeBalancer,
         Oracle,
         DQNPolicy,

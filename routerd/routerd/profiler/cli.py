@@ -1,4 +1,5 @@
-"""``phasewise profile``: measure an OpenAI-compatible endpoint and write a hardware profile."""
+"""``phasewise profile``: measure an OpenAI-compatible endpoint, or derive from a model config and a GPU's
+specs (:mod:`routerd.profiler.derive`), and write a hardware profile."""
 
 from __future__ import annotations
 
@@ -91,16 +92,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``profile`` subcommand."""
     p = sub.add_parser(
         "profile",
-        help="measure an OpenAI-compatible endpoint (vLLM or the emulator) and write a hardware profile",
-        description="Send decode-heavy batches (B concurrent requests, long outputs) and prefill-heavy batches "
-        "(N prompts of L tokens beside a probe request) to the endpoint, time the streamed tokens, fit "
-        "overhead, prefill and decode terms by least squares and write a hardware-profile YAML (loadable with "
-        "--profile) whose header records the plan, every point and its residual. Prompts carry random "
-        "prefixes, so prefix caching does not hide prefill cost.",
+        help="measure an OpenAI-compatible endpoint (vLLM or the emulator), or derive from a model config and "
+             "a GPU's specs, and write a hardware profile",
+        description="With --endpoint: send decode-heavy batches (B concurrent requests, long outputs) and "
+        "prefill-heavy batches (N prompts of L tokens beside a probe request) to the endpoint, time the streamed "
+        "tokens, fit overhead, prefill and decode terms by least squares and write a hardware-profile YAML "
+        "(loadable with --profile) whose header records the plan, every point and its residual. Prompts carry "
+        "random prefixes, so prefix caching does not hide prefill cost. With --derive MODEL_CONFIG GPU: derive "
+        "the profile from a Hugging Face config.json (or a shipped model name) and a GPU's datasheet numbers "
+        "(a shipped GPU name or a YAML file) with stated efficiency factors (docs/profiles.md); prints the YAML "
+        "or writes --output.",
     )
-    p.add_argument("--endpoint", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--endpoint", default=None, help="base URL of the server, e.g. http://127.0.0.1:8000")
+    mode.add_argument("--derive", nargs=2, metavar=("MODEL_CONFIG", "GPU"), default=None,
+                      help="derive instead of measuring: MODEL_CONFIG is a shipped model name ("
+                           + ", ".join(_shipped("model")) + ") or a config.json path; GPU a shipped GPU name ("
+                           + ", ".join(_shipped("gpu")) + ") or a GPU spec YAML path")
     p.add_argument("--model", default=None, help="served model to profile (default: the first of /v1/models)")
-    p.add_argument("--output", "-o", required=True, help="profile YAML to write")
+    p.add_argument("--output", "-o", default=None,
+                   help="profile YAML to write (required with --endpoint; with --derive the YAML is printed "
+                        "when absent)")
     p.add_argument("--name", default=None, help="profile name (default: <model>-profiled)")
     p.add_argument("--base-profile", default=None,
                    help="profile supplying what no endpoint reports: max_num_seqs, max_num_batched_tokens, "
@@ -115,14 +127,112 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunked-prefill", choices=("true", "false"), default=None,
                    help="whether the server chunks prefills (profile field)")
     p.add_argument("--kv-capacity-tokens", type=int, default=None,
-                   help="KV-cache capacity in tokens, when the endpoint's /metrics does not tell")
+                   help="KV-cache capacity in tokens, when the endpoint's /metrics does not tell (--endpoint only)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="--derive: longest request in tokens (default: the model's max_position_embeddings, as "
+                        "vLLM); an error when the derived KV capacity cannot hold it")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="--derive: vLLM's gpu_memory_utilization (default 0.9)")
+    p.add_argument("--tensor-parallel", type=int, default=None,
+                   help="--derive: GPUs per instance, vLLM tensor_parallel_size (default 1; all-reduce time is "
+                        "not modelled)")
+
+
+def _shipped(kind: str) -> list[str]:
+    from routerd.profiler.derive import gpu_names, model_names
+
+    try:
+        return model_names() if kind == "model" else gpu_names()
+    except Exception:  # a broken data file must not break the parser; --derive reports it
+        return []
+
+
+_ENDPOINT_ONLY = ("model", "base_profile", "quick", "kv_capacity_tokens", "chunked_prefill")
+_DERIVE_ONLY = ("max_model_len", "gpu_memory_utilization", "tensor_parallel")
+
+
+def run_derive(args: argparse.Namespace) -> int:
+    """``phasewise profile --derive MODEL_CONFIG GPU``: print the derived profile YAML or write ``--output``.
+
+    The file is written to a temporary file beside it and renamed, so a failure leaves no partial file.
+
+    Raises:
+        ConfigError: an endpoint-only flag, an unknown or invalid model config or GPU (names the file and
+            field), or a profile vLLM would refuse (e.g. KV capacity below ``--max-model-len``).
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from routerd.profiler.derive import DeriveOptions, derive_command, derive_profile, load_gpu, load_model_config
+    from routerd.profiles import load_profile_file
+
+    for flag in _ENDPOINT_ONLY:
+        if getattr(args, flag) not in (None, False):
+            raise ConfigError(f"--{flag.replace('_', '-')} applies to --endpoint, not --derive")
+    if args.max_batch_tokens != 2000:
+        raise ConfigError("--max-batch-tokens applies to --endpoint, not --derive")
+    model_arg, gpu_arg = args.derive
+    try:
+        options = DeriveOptions(
+            name=args.name, max_model_len=args.max_model_len,
+            gpu_memory_utilization=0.9 if args.gpu_memory_utilization is None else args.gpu_memory_utilization,
+            tensor_parallel=1 if args.tensor_parallel is None else args.tensor_parallel,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    except ValidationError as e:
+        err = e.errors()[0]
+        flag = "--" + str(err["loc"][0]).replace("_", "-")
+        raise ConfigError(f"{flag}: {err['msg']} (got {err.get('input')!r})") from None
+    model = load_model_config(model_arg)
+    gpu = load_gpu(gpu_arg)
+    derivation = derive_profile(model, gpu, options)
+    from routerd.profiler.derive import profile_yaml
+
+    text = profile_yaml(derivation, derive_command(model_arg, gpu_arg, options, args.output))
+    if args.output is None:
+        print(text, end="")
+        return 0
+    out = Path(args.output)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    except OSError as e:
+        raise ConfigError(f"--output {out}: cannot write ({e.strerror})") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        load_profile_file(tmp)  # what is renamed into place loads
+        os.replace(tmp, out)
+    except OSError as e:
+        raise ConfigError(f"--output {out}: cannot write ({e.strerror})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    p = derivation.profile
+    print(f"derived {p.name}: KV {p.kv_capacity_tokens} tokens, max_model_len {p.max_model_len}, overhead_s "
+          f"{p.overhead_s:.4g}, prefill_per_token_s {p.prefill_per_token_s:.4g}, prefill_attn_s "
+          f"{p.prefill_attn_s:.4g}, decode_per_seq_s {p.decode_per_seq_s:.4g}, decode_per_ctx_token_s "
+          f"{p.decode_per_ctx_token_s:.4g}")
+    print(f"wrote {out}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    """Profile, write ``--output``, print a summary; returns 0. Raises :class:`ConfigError` on bad input."""
+    """Profile (``--endpoint``) or derive (``--derive``), write ``--output``, print a summary; returns 0.
+
+    Raises :class:`ConfigError` on bad input."""
     from routerd.profiler.plan import default_plan, quick_plan
     from routerd.profiler.writer import write_profile
 
+    if getattr(args, "derive", None) is not None:
+        return run_derive(args)
+    for flag in _DERIVE_ONLY:
+        if getattr(args, flag, None) is not None:
+            raise ConfigError(f"--{flag.replace('_', '-')} applies to --derive, not --endpoint")
+    if args.output is None:
+        raise ConfigError("--output is required with --endpoint")
     if args.max_batch_tokens < 64:
         raise ConfigError(f"--max-batch-tokens must be >= 64, got {args.max_batch_tokens}")
     for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_capacity_tokens"):

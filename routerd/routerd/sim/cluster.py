@@ -27,6 +27,7 @@ from routerd.policies.base import (
     ResidentRequest,
     RoutingPolicy,
 )
+from routerd.prefix.chain import PrefixBlocks
 from routerd.profiles import HardwareProfile
 from routerd.sim.instance import AdmissionGate, SimInstance
 from routerd.sim.request import DECODE, WAITING, SimRequest
@@ -65,6 +66,32 @@ class SimInstanceView:
         return LoadSummary(len(inst.waiting) + inst.n_prefill, (h[0], h[1], h[2]),
                            inst.min_predicted_remaining(self._D),
                            inst.n_res, inst.sum_pd)
+
+    def engine_cached_blocks(self, prefix: PrefixBlocks) -> int:
+        """Leading blocks of ``prefix`` in this instance's prefix cache (blocks), as vLLM's KV
+        events report them to a precise index; 0 with prefix caching off."""
+        pc = self._inst.pc
+        return pc.match(prefix.extents) if pc is not None else 0
+
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens still to prefill here (tokens): waiting requests' lookups as the engine
+        would do them now, plus the unfinished chunks of prefilling ones."""
+        inst = self._inst
+        pc = inst.pc
+        bs = inst.bs
+        total = 0
+        for r in inst.waiting:
+            total += r.target
+            st = r.pst
+            if st is not None:
+                hit = pc.match(st.ext)
+                cap = (r.target - 1) // bs
+                total -= bs * (hit if hit < cap else cap)
+        if inst.n_prefill:
+            for r in inst.running:
+                if r.state != DECODE:
+                    total += r.target - r.computed
+        return total
 
     def residents(self) -> list[ResidentRequest]:
         """Running requests (admission order) then waiting ones, as the router sees them."""
@@ -367,5 +394,6 @@ class ClusterSimulator:
 def make_features(r: SimRequest, oracle: bool) -> RequestFeatures:
     """The router-visible features of a request (with the true length only for oracles)."""
     if oracle:
-        return OracleRequestFeatures(r.id, r.arrival_s, r.prompt, r.bucket, r.pred_tokens, r.task, r.output)
-    return RequestFeatures(r.id, r.arrival_s, r.prompt, r.bucket, r.pred_tokens, r.task)
+        return OracleRequestFeatures(r.id, r.arrival_s, r.prompt, r.bucket, r.pred_tokens, r.task,
+                                     r.prefix, output_tokens=r.output)
+    return RequestFeatures(r.id, r.arrival_s, r.prompt, r.bucket, r.pred_tokens, r.task, r.prefix)

@@ -31,6 +31,8 @@ import math
 from collections import deque
 from typing import Callable, Literal
 
+from routerd.prefix.cache import PrefixCache, PrefixState
+from routerd.prefix.chain import sequence_extents
 from routerd.profiles import HardwareProfile
 from routerd.sim.request import DECODE, DONE, PREFILL, WAITING, SimRequest
 
@@ -109,6 +111,13 @@ class SimInstance:
 
         # Requests whose client went away while they were in the step in flight (see abort()).
         self._aborting: list[SimRequest] = []
+
+        # Automatic prefix caching (vLLM V1), for requests with prefix identity.
+        self.pc: PrefixCache | None = PrefixCache(self.total_blocks) if p.prefix_caching else None
+        self.prefix_hits = 0
+        """Prompt tokens served from the cache at first admissions (``vllm:prefix_cache_hits``)."""
+        self.prefix_queries = 0
+        """Prompt tokens looked up at first admissions (``vllm:prefix_cache_queries``)."""
 
         # Counters for reports and views.
         self.preemptions = 0
@@ -211,14 +220,28 @@ class SimInstance:
             return -(-(r.prompt + r.gen_base + self.D - r.dec_base - 1) // self.bs)
         return r.blocks
 
+    def _give_back(self, r: SimRequest, blocks: int, kv_tokens: int) -> None:
+        """``r`` (holding ``blocks`` blocks over ``kv_tokens`` tokens) leaves the running set."""
+        pc = self.pc
+        if pc is None:
+            self.free_blocks += blocks
+            return
+        st = r.pst
+        if st is not None and kv_tokens // self.bs > st.reg:
+            # Its full decode blocks are hashed as they fill; nobody can hit them before it
+            # leaves (only a later turn resends a response), so they are cached here at once.
+            pc.register(st, kv_tokens // self.bs, self.free_blocks)
+        self.free_blocks += pc.release(st, blocks, self.free_blocks)
+
     def _preempt(self, victim: SimRequest) -> None:
         freed = self._held_blocks(victim)
         if victim.state == DECODE:
             self._stop_decode(victim)
             self.fT_static += victim.generated * victim.w
+            self._give_back(victim, freed, victim.prompt + victim.generated - 1)
         else:
             self.n_prefill -= 1
-        self.free_blocks += freed
+            self._give_back(victim, freed, 0)
         victim.blocks = 0
         victim.state = WAITING
         victim.computed = 0
@@ -234,6 +257,9 @@ class SimInstance:
         r.state = WAITING
         r.computed = 0
         r.target = r.prompt
+        if self.pc is not None and r.prefix is not None and r.pst is None:
+            rid = r.response_id if r.response_id is not None else -(r.id + 1)
+            r.pst = PrefixState(sequence_extents(r.prefix, r.prompt, rid, r.output, self.bs))
         self.waiting.append(r)
         self.n_res += 1
         self.sum_pd += r.prompt + r.pred_tokens
@@ -247,7 +273,13 @@ class SimInstance:
         """End a long decode segment at the end of the iteration in flight at ``now`` (the batch
         changes there: an arrival may be admitted, an aborted request leaves)."""
         if self.seg_K > 1:
-            j = self._iters_done(now) + 1
+            j = self._iters_done(now)
+            if j == 0 or self.seg_t0 + self._elapsed(j) < now:
+                # The iteration in flight at `now` completes first. One that ends exactly at
+                # `now` is a step boundary like any other: the batch changes there, as it does
+                # after a single step (the cluster handles an arrival before a step end at
+                # the same instant).
+                j += 1
             if j < self.seg_K:
                 self.seg_K = j
                 self.seg_end = self.seg_t0 + self._elapsed(j)
@@ -306,7 +338,7 @@ class SimInstance:
         r.state = DONE
         r.finish_s = now
         r.generated = r.output
-        self.free_blocks += blocks
+        self._give_back(r, blocks, r.prompt + r.output - 1)
         r.blocks = 0
         self.running.remove(r)
         self.n_res -= 1
@@ -354,6 +386,8 @@ class SimInstance:
                         break
                     self.free_blocks -= need
                     r.blocks += need
+                    if r.pst is not None:
+                        self.pc.register(r.pst, (r.computed + n) // bs, self.free_blocks)
                     budget -= n
                     chunks.append((r, n))
         else:
@@ -361,21 +395,38 @@ class SimInstance:
 
         if not preempted:
             waiting = self.waiting
+            pc = self.pc
             while waiting and budget > 0 and len(running) < self.max_seqs:
                 r = waiting[0]
-                n = r.target
+                st = r.pst
+                if st is not None:
+                    # Longest cached prefix; the last prompt token is always computed.
+                    hit, hit_free = pc.lookup(st.ext, (r.target - 1) // bs, self.free_blocks)
+                else:
+                    hit = hit_free = 0
+                done = hit * bs
+                n = r.target - done
                 if n > budget:
                     if not self.chunked:
                         break
                     n = budget
-                need_gate = -(-(r.target if self.full_gate else n) // bs)
+                # Reused blocks that are free leave the free pool too (vLLM's allocate_slots
+                # counts them among the blocks it must find).
+                need_gate = -(-(r.target if self.full_gate else done + n) // bs) - hit + hit_free
                 if need_gate > self.free_blocks:
                     break
                 waiting.popleft()
-                need = -(-n // bs)
-                self.free_blocks -= need
-                r.blocks = need
-                r.computed = 0
+                need = -(-(done + n) // bs) - hit
+                self.free_blocks -= need + hit_free
+                r.blocks = need + hit
+                r.computed = done
+                if st is not None:
+                    pc.acquire(st, hit)
+                    pc.register(st, (done + n) // bs, self.free_blocks)
+                if pc is not None and r.cached_tokens < 0:
+                    r.cached_tokens = done
+                    self.prefix_hits += done
+                    self.prefix_queries += r.target
                 r.state = PREFILL
                 self.n_prefill += 1
                 if r.scheduled_s < 0.0:
@@ -448,6 +499,8 @@ class SimInstance:
             budget -= n
             if r.state != DECODE:
                 r.blocks += need
+                if r.pst is not None:
+                    self.pc.register(r.pst, (r.computed + n) // bs, self.free_blocks)
                 chunks.append((r, n))
         return budget, preempted
 
@@ -495,7 +548,7 @@ class SimInstance:
             return
         if r.state == WAITING:
             self.waiting.remove(r)
-            self._release(r, 0)
+            self._release(r, 0, 0)
             self.start(now)  # the head may have been blocking the rest
             return
         if not self.busy:
@@ -511,9 +564,11 @@ class SimInstance:
         for r in self._aborting:
             if r.state == DONE:
                 continue  # it finished in the step that was in flight
+            kv = 0
             if r.state == DECODE:
                 blocks = self._held_blocks(r)
                 self._stop_decode(r)
+                kv = r.prompt + r.generated - 1
                 self.running.remove(r)
             elif r.state == PREFILL:
                 blocks = r.blocks
@@ -523,14 +578,14 @@ class SimInstance:
             else:
                 blocks = 0
                 self.waiting.remove(r)
-            self._release(r, blocks)
+            self._release(r, blocks, kv)
         self._aborting.clear()
 
-    def _release(self, r: SimRequest, blocks: int) -> None:
+    def _release(self, r: SimRequest, blocks: int, kv_tokens: int) -> None:
         if r.state == WAITING:
             self.fT_static -= r.generated * r.w
+        self._give_back(r, blocks, kv_tokens)
         r.state = DONE
-        self.free_blocks += blocks
         r.blocks = 0
         self.n_res -= 1
         self.sum_pd -= r.prompt + r.pred_tokens

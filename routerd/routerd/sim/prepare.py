@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from routerd.model import PREDICTOR_BUCKET_EDGES, Request, bucket_mid_tokens, bucket_of
+from routerd.prefix.chain import prefix_blocks
 from routerd.profiles import HardwareProfile
 from routerd.sim.request import SimRequest
 
@@ -113,5 +114,9 @@ def prepare_requests(
         else:
             b = None
         pred = bucket_mid_tokens(b if b is not None else 0, edges)
-        out.append(SimRequest(q.id, q.arrival_s, q.prompt_tokens, output, b, pred, q.task))
+        sr = SimRequest(q.id, q.arrival_s, q.prompt_tokens, output, b, pred, q.task)
+        if q.prefix is not None:
+            sr.prefix = prefix_blocks(q.prefix, profile.block_size)
+            sr.response_id = q.response_id
+        out.append(sr)
     return Prepared(out, rejected, clipped)

@@ -23,6 +23,7 @@ class SimRequest:
         "dispatch_s", "scheduled_s", "first_token_s", "finish_s", "preemptions", "instance",
         "state", "generated", "computed", "target", "blocks", "dec_base", "gen_base",
         "finish_D", "epoch", "phase", "hist_bin", "inv_T", "w",
+        "prefix", "response_id", "pst", "cached_tokens",
     )
 
     def __init__(
@@ -65,3 +66,11 @@ class SimRequest:
         #: that divided by the predicted output length (1/(s*token)).
         self.inv_T = 0.0
         self.w = 0.0
+        #: The prompt's KV blocks as extents (routerd.prefix.chain), None without prefix identity.
+        self.prefix = None
+        #: Content id of the response (a later prompt may resend it); None: unique to this request.
+        self.response_id: int | None = None
+        #: Its place in the instance's prefix cache (routerd.prefix.cache.PrefixState), or None.
+        self.pst = None
+        #: Prompt tokens served from the prefix cache at its first admission (-1: not admitted yet).
+        self.cached_tokens = -1

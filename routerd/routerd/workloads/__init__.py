@@ -3,10 +3,13 @@
 Public API:
 
 - :class:`WorkloadError` - every bad-input error (one line: file, row, field).
-- :func:`load_azure_csv`, :func:`load_mooncake_jsonl` - trace loaders.
+- :func:`load_azure_csv`, :func:`load_mooncake_jsonl` - trace loaders (Mooncake
+  ``hash_ids`` become ``Request.prefix``, :func:`mooncake_units`).
 - :func:`mean_rate`, :func:`rescale_to_rate`, :func:`poisson_arrivals` - arrival timing.
 - :func:`public_mix` (real public prompt/response lengths), :func:`paper_mix`
-  (synthetic stand-in for arXiv 2408.13510's mix).
+  (synthetic stand-in for arXiv 2408.13510's mix), :func:`shared_prefix` (llm-d
+  capacity-benchmark shape with prefix identity; :class:`SharedPrefixParams`,
+  :data:`SHARED_PREFIX_PRESETS`).
 - :func:`load_workload`, :class:`Workload`, :data:`WORKLOAD_NAMES`,
   :func:`resolve_data_dir` - workloads by name.
 """
@@ -19,17 +22,27 @@ from .registry import (
     DEFAULT_N,
     DEFAULT_RATE,
     DEFAULT_WORKLOAD,
+    GENERATOR_NAMES,
     WORKLOAD_NAMES,
     Workload,
     load_workload,
     resolve_data_dir,
 )
+from .shared_prefix import (
+    SHARED_PREFIX_PRESETS,
+    SharedPrefixParams,
+    parse_shared_prefix_spec,
+    shared_prefix,
+)
 from .traces import (
     AZURE_COLUMNS,
+    MOONCAKE_BLOCK_TOKENS,
     MOONCAKE_FIELDS,
+    MOONCAKE_HASH_FIELD,
     load_azure_csv,
     load_mooncake_jsonl,
     mean_rate,
+    mooncake_units,
     poisson_arrivals,
     rescale_to_rate,
 )
@@ -41,11 +54,16 @@ __all__ = [
     "DEFAULT_N",
     "DEFAULT_RATE",
     "DEFAULT_WORKLOAD",
+    "GENERATOR_NAMES",
+    "MOONCAKE_BLOCK_TOKENS",
     "MOONCAKE_FIELDS",
+    "MOONCAKE_HASH_FIELD",
     "PAPER_LONG_SHARE",
     "PAPER_TASKS",
     "PaperTask",
     "PromptGroup",
+    "SHARED_PREFIX_PRESETS",
+    "SharedPrefixParams",
     "WORKLOAD_NAMES",
     "Workload",
     "WorkloadError",
@@ -54,10 +72,13 @@ __all__ = [
     "load_mooncake_jsonl",
     "load_workload",
     "mean_rate",
+    "mooncake_units",
     "paper_mix",
+    "parse_shared_prefix_spec",
     "poisson_arrivals",
     "public_mix",
     "public_mix_groups",
     "rescale_to_rate",
     "resolve_data_dir",
+    "shared_prefix",
 ]

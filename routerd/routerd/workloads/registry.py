@@ -18,12 +18,18 @@ from routerd.model import Request
 from .errors import WorkloadError
 from .paper_mix import paper_mix
 from .public_mix import DEFAULT_ALPACA_MODEL, public_mix_groups, public_mix
+from .shared_prefix import describe as describe_shared_prefix
+from .shared_prefix import parse_shared_prefix_spec, shared_prefix
 from .traces import load_azure_csv, load_mooncake_jsonl, mean_rate, rescale_to_rate
 
 #: Named workloads, the default first.
 WORKLOAD_NAMES: tuple[str, ...] = (
-    "sample", "azure-conv", "azure-code", "mooncake", "public-mix", "paper-mix",
+    "sample", "azure-conv", "azure-code", "mooncake", "public-mix", "paper-mix", "shared-prefix",
 )
+#: Names of the generated workloads (they take ``n`` and ``seed``).
+GENERATOR_NAMES: tuple[str, ...] = ("public-mix", "paper-mix", "shared-prefix")
+#: ``shared-prefix:SPEC`` passes a preset and/or parameter overrides to the generator.
+SHARED_PREFIX = "shared-prefix"
 DEFAULT_WORKLOAD = "sample"
 #: Generator defaults: number of requests and arrival rate (req/s).
 DEFAULT_N = 2000
@@ -46,7 +52,8 @@ _TRACES: dict[str, tuple[str, str]] = {
     "mooncake": (
         "traces/mooncake_fast25_synthetic.jsonl.gz",
         "Mooncake FAST'25 synthetic trace (built by Mooncake from public datasets with Poisson "
-        "arrivals, not production traffic; Apache-2.0, Qin et al., FAST 2025)",
+        "arrivals, not production traffic; Apache-2.0, Qin et al., FAST 2025), prefix identity "
+        "from hash_ids (512-token units)",
     ),
 }
 _TRACE_SUFFIXES = (".csv", ".jsonl", ".jsonl.gz")
@@ -163,20 +170,29 @@ def load_workload(
       package (data rows 6,001-8,000; 314.5 s, 6.36 req/s native). Needs no shared data.
     - ``azure-conv`` / ``azure-code``: the full Azure LLM inference trace 2023 hours
       (19,366 / 8,819 requests; 5.53 / 2.57 req/s native).
-    - ``mooncake``: the Mooncake FAST'25 synthetic trace (3,993 requests, 3.91 req/s).
+    - ``mooncake``: the Mooncake FAST'25 synthetic trace (3,993 requests, 3.91 req/s), with
+      ``Request.prefix`` from its ``hash_ids`` (required on every line; 512-token units).
     - ``public-mix``: :func:`~routerd.workloads.public_mix.public_mix`, real prompt and
       response lengths from public datasets, Poisson arrivals.
     - ``paper-mix``: :func:`~routerd.workloads.paper_mix.paper_mix`, a SYNTHETIC stand-in
       for the router paper's 5-task mix, Poisson arrivals.
-    - a path ending in ``.csv`` (Azure format) or ``.jsonl`` / ``.jsonl.gz`` (Mooncake
-      format).
+    - ``shared-prefix`` or ``shared-prefix:SPEC``:
+      :func:`~routerd.workloads.shared_prefix.shared_prefix`, the SYNTHETIC shared-prefix
+      generator in llm-d's capacity-benchmark shape (prefix identity in ``Request.prefix``).
+      ``SPEC`` is a preset (``default``, ``llmd-capacity``), optionally followed by
+      ``,field=value`` overrides of
+      :class:`~routerd.workloads.shared_prefix.SharedPrefixParams`, or only overrides:
+      ``shared-prefix:llmd-capacity``, ``shared-prefix:groups=8,jitter=0.1``.
+    - a path ending in ``.csv`` (Azure format, no prefix identity) or ``.jsonl`` /
+      ``.jsonl.gz`` (Mooncake format; prefix identity when its lines carry ``hash_ids``).
 
     Args:
         name: a workload name or a trace file path.
         rate: traces: rescale to this mean rate in req/s (``None`` = native timing);
             generators: arrival rate in req/s (``None`` = 20.0).
         limit: keep only the first ``limit`` requests (any workload).
-        n: generators only: number of requests (``None`` = 2000).
+        n: generators only: number of requests (``None`` = 2000; ``shared-prefix``: the
+            preset's own count, 2,000 for ``default``, 3,000 for ``llmd-capacity``).
         seed: generators only: RNG seed (traces are deterministic and ignore it).
         data_dir: the shared data directory; ``None`` = :func:`resolve_data_dir`'s search.
 
@@ -198,6 +214,16 @@ def load_workload(
         raise WorkloadError(f"rate must be a finite number of requests/s > 0 or None, got {rate!r}")
 
     is_path = name.lower().endswith(_TRACE_SUFFIXES)
+    if name == SHARED_PREFIX or name.startswith(SHARED_PREFIX + ":"):
+        preset, params, default_n = parse_shared_prefix_spec(name[len(SHARED_PREFIX) + 1:])
+        count = default_n if n is None else n
+        r = DEFAULT_RATE if rate is None else float(rate)
+        requests = shared_prefix(params, count, r, seed)
+        if limit is not None:
+            requests = requests[:limit]
+        desc = (f"{describe_shared_prefix(preset, params)}; {len(requests)} requests, Poisson arrivals "
+                f"at {r:g} req/s, seed {seed}")
+        return Workload(name, requests, desc, r)
     if name in ("public-mix", "paper-mix"):
         count = DEFAULT_N if n is None else n
         r = DEFAULT_RATE if rate is None else float(rate)
@@ -220,7 +246,7 @@ def load_workload(
 
     if n is not None:
         raise WorkloadError(
-            f"n applies only to the generators (public-mix, paper-mix); use limit for {name!r}"
+            f"n applies only to the generators ({', '.join(GENERATOR_NAMES)}); use limit for {name!r}"
         )
     if name == "sample":
         res = resources.files("routerd").joinpath(*SAMPLE_RESOURCE)
@@ -234,8 +260,11 @@ def load_workload(
     if name in _TRACES:
         rel, what = _TRACES[name]
         path = resolve_data_dir(data_dir, needed_by=f"workload {name!r}") / rel
-        loader = load_mooncake_jsonl if rel.endswith((".jsonl", ".jsonl.gz")) else load_azure_csv
-        return _finish_trace(name, loader(path, limit=limit), what, rate=rate, limit=limit)
+        if rel.endswith((".jsonl", ".jsonl.gz")):
+            requests = load_mooncake_jsonl(path, limit=limit, prefix=True)
+        else:
+            requests = load_azure_csv(path, limit=limit)
+        return _finish_trace(name, requests, what, rate=rate, limit=limit)
     if is_path:
         path = Path(name)
         if name.lower().endswith(".csv"):
@@ -244,6 +273,7 @@ def load_workload(
             requests, what = load_mooncake_jsonl(path, limit=limit), f"Mooncake-format trace {path}"
         return _finish_trace(name, requests, what, rate=rate, limit=limit)
     raise WorkloadError(
-        f"unknown workload {name!r}; valid: {', '.join(sorted(WORKLOAD_NAMES))}, "
+        f"unknown workload {name!r}; valid: {', '.join(sorted(WORKLOAD_NAMES))} "
+        f"(shared-prefix:PRESET[,field=value...]), "
         f"or a path to a .csv (Azure) / .jsonl / .jsonl.gz (Mooncake) trace"
     )

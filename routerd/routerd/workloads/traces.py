@@ -2,7 +2,9 @@
 
 Both loaders return :class:`routerd.model.Request` lists with ``id`` = 0-based position,
 ``arrival_s`` = seconds since the first request of the file (so the first request
-arrives at 0.0), and the token counts of the file. They validate every row and raise
+arrives at 0.0), and the token counts of the file; Mooncake lines with ``hash_ids`` also
+give ``Request.prefix`` (512-token content units, :func:`mooncake_units`), Azure rows have
+no prefix identity (``prefix = None``). They validate every row and raise
 :class:`~routerd.workloads.errors.WorkloadError` (one line naming file, row and field)
 on bad input instead of letting ``csv``/``json``/``gzip``/Unicode errors escape.
 
@@ -32,8 +34,16 @@ from .errors import WorkloadError, row_error
 
 #: Column names of the Azure LLM inference trace 2023 CSV.
 AZURE_COLUMNS: tuple[str, str, str] = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-#: Field names of a Mooncake trace line (``hash_ids`` is ignored).
+#: Field names of a Mooncake trace line (``hash_ids``, the prefix identity, is
+#: :data:`MOONCAKE_HASH_FIELD`).
 MOONCAKE_FIELDS: tuple[str, str, str] = ("timestamp", "input_length", "output_length")
+#: The Mooncake field holding a request's prefix-block ids.
+MOONCAKE_HASH_FIELD = "hash_ids"
+#: Tokens per Mooncake ``hash_ids`` entry (Mooncake FAST'25 trace README: one id per
+#: 512-token block; ``shared/docs/prefix-routing.md`` §4).
+MOONCAKE_BLOCK_TOKENS = 512
+# Unit ids are packed as signed 64-bit integers by routerd.prefix.chain.
+_MAX_UNIT_ID = 2**63 - 1
 
 # Azure timestamps carry 7 fractional digits (100 ns ticks); datetime.fromisoformat only
 # keeps microseconds on Python < 3.11 and floats lose the tick, so parse to integer ns.
@@ -205,33 +215,95 @@ def _json_int(path: object, row: int, obj: dict, field: str) -> int:
     return v
 
 
-def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None) -> list[Request]:
-    """Load a Mooncake-format trace: JSON lines with ``timestamp``, ``input_length``, ``output_length``.
+def mooncake_units(hash_ids: Sequence[int], input_length: int) -> tuple[tuple[int, int], ...]:
+    """Content units of a Mooncake request: one unit of 512 tokens per ``hash_ids`` entry.
+
+    ``[(id_0, 512), ..., (id_{k-2}, 512), (id_{k-1}, input_length - 512 (k-1))]``: the
+    last id covers the rest of the prompt, which may be a partial 512-token block
+    (``shared/docs/prefix-routing.md`` §4). The caller has checked
+    ``512 (k-1) < input_length <= 512 k`` (:func:`load_mooncake_jsonl` does).
+    """
+    b = MOONCAKE_BLOCK_TOKENS
+    k = len(hash_ids)
+    return tuple((h, b) for h in hash_ids[:-1]) + ((hash_ids[-1], input_length - b * (k - 1)),)
+
+
+def _json_hash_ids(path: object, row: int, obj: dict, input_length: int) -> tuple[tuple[int, int], ...]:
+    field = MOONCAKE_HASH_FIELD
+    if field not in obj:
+        raise row_error(path, row, field, "missing")
+    ids = obj[field]
+    if not isinstance(ids, list):
+        raise row_error(path, row, field, f"expected a list of integer ids, got {type(ids).__name__}")
+    for i, v in enumerate(ids):
+        # Unlike the lengths, an id of 12.0 is rejected too: ids are identities, not counts,
+        # and a float id means the file was not written by Mooncake's tooling.
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise row_error(path, row, field, f"entry {i}: {v!r} is not an integer")
+        if not 0 <= v <= _MAX_UNIT_ID:
+            raise row_error(path, row, field, f"entry {i}: {v} is not an id in [0, 2**63)")
+    b, k = MOONCAKE_BLOCK_TOKENS, len(ids)
+    if not b * (k - 1) < input_length <= b * k:
+        cover = "no tokens" if k == 0 else f"{b * (k - 1) + 1}..{b * k} tokens"
+        raise row_error(
+            path, row, field,
+            f"{k} ids of {b} tokens cover {cover}, but {MOONCAKE_FIELDS[1]} is {input_length}",
+        )
+    return mooncake_units(ids, input_length)
+
+
+def load_mooncake_jsonl(
+    path: str | Path, *, limit: int | None = None, prefix: bool | None = None
+) -> list[Request]:
+    """Load a Mooncake-format trace: JSON lines with ``timestamp``, ``input_length``, ``output_length``
+    and (for prefix identity) ``hash_ids``.
 
     Source format: github.com/kvcache-ai/Mooncake ``FAST25-release/traces/*.jsonl``
     (Qin et al., FAST 2025; Apache-2.0). ``timestamp`` is the arrival in milliseconds
-    (int or float), ``input_length``/``output_length`` are token counts; other fields
-    (``hash_ids``) are ignored. Files ending in ``.gz`` are read as gzip, others as plain
-    text. Blank lines are skipped.
+    (int or float), ``input_length``/``output_length`` are token counts, ``hash_ids`` the
+    prompt's 512-token blocks as remapped hash ids (equal ids = equal prefix blocks).
+    Files ending in ``.gz`` are read as gzip, others as plain text. Blank lines are skipped.
+
+    Prefix identity: ``hash_ids = [id_0, ..., id_{k-1}]`` becomes ``Request.prefix =
+    ((id_0, 512), ..., (id_{k-1}, input_length - 512 (k-1)))`` (:func:`mooncake_units`);
+    each line must satisfy ``512 (k-1) < input_length <= 512 k`` (the last id may cover a
+    partial block) and every id must be an integer in ``[0, 2**63)``. The shared
+    synthetic trace satisfies this on all 3,993 lines (checked). ``response_id`` stays
+    ``None``: the trace does not say which ids are earlier responses.
 
     Args:
         path: the ``.jsonl`` or ``.jsonl.gz`` file.
-        limit: keep only the first ``limit`` requests (``None`` = all).
+        limit: keep only the first ``limit`` requests (``None`` = all; later lines are not
+            read or checked).
+        prefix: ``True``: every line must carry valid ``hash_ids``; ``False``: ``hash_ids``
+            are ignored and ``prefix`` is ``None`` (no sharing); ``None`` (default): the
+            first data line decides: a trace with ``hash_ids`` on its first line must have
+            them on every line, a trace without them on the first line must have none
+            (prefix ``None`` throughout: traces without prefix identity keep working).
 
     Returns:
         Requests with ``id`` 0.., ``arrival_s`` = seconds since the first line's timestamp,
-        ``prompt_tokens`` = ``input_length``, ``output_tokens`` = ``output_length``.
+        ``prompt_tokens`` = ``input_length``, ``output_tokens`` = ``output_length``,
+        ``prefix`` as above.
 
     Raises:
         WorkloadError: unreadable file, corrupt gzip, a line that is not UTF-8 JSON object,
             a missing / non-integer / < 1 length, a non-numeric timestamp, a timestamp
-            earlier than the previous line's, no data lines, or a bad ``limit``. The message
-            names the file, the row (line number) and the field.
+            earlier than the previous line's, missing ``hash_ids`` (where required), a
+            ``hash_ids`` that is not a list, holds a non-integer (bool and float included)
+            or negative id, or whose length disagrees with ``input_length``, ``hash_ids`` on
+            a later line of a trace whose first line has none (``prefix=None``), no data
+            lines, or a bad ``limit`` / ``prefix``. The message names the file, the row (line
+            number) and the field. Nothing is returned on error.
     """
     path = Path(path)
     _check_limit(limit)
+    if prefix is not None and not isinstance(prefix, bool):
+        raise WorkloadError(f"prefix must be True, False or None, got {prefix!r}")
+    auto = prefix is None
     requests: list[Request] = []
     first = prev = None
+    first_row = 0
     for row, raw in _jsonl_lines(path):
         if not raw.strip():
             continue
@@ -258,18 +330,33 @@ def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None) -> list[R
                 raise row_error(path, row, field, f"token count must be >= 1, got {v}")
         if first is None:
             first = prev = ts
+            first_row = row
+            if prefix is None:
+                prefix = MOONCAKE_HASH_FIELD in obj
         elif ts < prev:
             raise row_error(
                 path, row, MOONCAKE_FIELDS[0],
                 f"{ts!r} is earlier than the previous line ({prev!r}); the trace must be sorted by time",
             )
         prev = ts
+        units = None
+        if prefix:
+            units = _json_hash_ids(path, row, obj, prompt)
+        elif auto and MOONCAKE_HASH_FIELD in obj:
+            # A trace with ids on some lines only is damaged; sharing computed from part of
+            # it would be silently wrong, so say so instead of dropping the ids.
+            raise row_error(
+                path, row, MOONCAKE_HASH_FIELD,
+                f"present, but the first data line (row {first_row}) has none; a trace carries "
+                f"{MOONCAKE_HASH_FIELD} on every line or on none",
+            )
         requests.append(
             Request(
                 id=len(requests),
                 arrival_s=(ts - first) / 1000.0,
                 prompt_tokens=prompt,
                 output_tokens=output,
+                prefix=units,
             )
         )
         if limit is not None and len(requests) >= limit:

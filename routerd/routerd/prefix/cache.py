@@ -1,0 +1,386 @@
+"""The engine-side prefix cache of one instance: vLLM V1 automatic prefix caching, on extents.
+
+What vLLM V1 does (``vllm/v1/core/block_pool.py``, ``kv_cache_manager.py``,
+``docs/design/prefix_caching.md``; restated in ``shared/docs/prefix-routing.md`` §1):
+
+* Full blocks are keyed by a hash chain; a new request reuses its longest cached prefix of
+  whole blocks, at most ``(tokens - 1) // block_size`` blocks (the last prompt token is always
+  computed). Reused blocks are shared: their reference count goes up, and a reused block that
+  was free leaves the free queue.
+* Free blocks sit in one doubly linked free queue *with their hashes*: they are still hits
+  until reallocated. Allocation pops the head (least recently freed first) and drops the
+  popped block's hash (eviction).
+* A request that finishes, is preempted or aborted frees its blocks in reverse order (its
+  tail first), so its tail blocks are evicted before its head blocks.
+* A block becomes a hit for others as soon as it is allocated for a chunk that fills it
+  (``cache_full_blocks`` runs when the slots are allocated, before the step computes them).
+
+How this module does it at the cost of extents, not blocks (:mod:`routerd.prefix.chain`):
+
+* ``cached[h]``: leading blocks of extent ``h`` that the cache holds (in use or free). The
+  cached blocks of an extent are always a prefix ``[0, cached[h])``: a holder of block ``k``
+  holds blocks ``0 .. k-1`` too, requests free their tails first and a hit touches a prefix,
+  so within an extent (and from an extent to the ones that extend its chain) higher blocks
+  are always freed earlier and evicted first.
+* ``holders[h]``: the lengths of the prefixes of ``h`` that running requests hold (a
+  multiset ``{length: count}``). Block ``k`` of ``h`` is in use iff some holder's length is
+  above ``k``, so the free blocks of ``h`` are ``[max holder, cached[h])``.
+* The free queue is a queue of *runs*: ``[h, lo, hi]`` (blocks ``lo .. hi-1`` of ``h``, freed
+  together, evicted from ``hi - 1`` down) or ``[None, 0, count]`` (blocks with no hash: partial
+  tail blocks, requests without prefix identity, the never-used pool). A hit trims runs from
+  below, an eviction from above; neither splits a run.
+* Allocation does not touch the queue: the instance only lowers its free-block count, and
+  the queue pops the difference (evicting) before the next operation that reads or changes it
+  (:meth:`PrefixCache._sync`). Pops at the head commute with nothing but the operations that
+  sync first, so this is exact, and an instance whose queue holds no hashed block (a trace
+  without prefix identity) pays one comparison per operation.
+
+Approximations (each documented where it is made):
+
+* A block a request computes although the same hash is cached (the block after a capped hit,
+  or a chunk another request computed first) is the request's private copy: vLLM keeps such
+  duplicates hashed, here they are freed without a hash.
+* A request's private blocks (those duplicates and its partial tail block) are freed before
+  its hashed blocks, whatever their position.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+
+class PrefixState:
+    """One request's place in an instance's prefix cache (kept on the request, reset on release)."""
+
+    __slots__ = ("ext", "hold", "held", "reg", "ei", "eo", "priv")
+
+    def __init__(self, ext: Sequence[tuple[int, int]]) -> None:
+        self.ext = ext
+        """Extents ``(hash, blocks)`` of the request's whole sequence (prompt, then response)."""
+        self.hold: list[list[int]] = []
+        """``[hash, length]`` per extent the request holds a prefix of, in sequence order."""
+        self.held = 0
+        """Blocks it holds through the cache (sum of the hold lengths)."""
+        self.reg = 0
+        """Blocks of its sequence accounted so far (held through the cache or private)."""
+        self.ei = 0
+        """Extent index of block ``reg``."""
+        self.eo = 0
+        """Offset of block ``reg`` in that extent."""
+        self.priv = False
+        """True once the request computed a private copy in extent ``ei`` (the rest is private)."""
+
+
+class PrefixCache:
+    """vLLM V1's block pool for prefix caching, one per simulated instance.
+
+    Block counts are blocks, token counts tokens. The owning instance keeps the number of
+    free blocks (``free``); every method that reads or changes the queue takes it, to pop the
+    blocks allocated since the last call (see the module docstring).
+
+    Args:
+        num_blocks: KV blocks of the instance (all free at first, without hashes).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.cached: dict[int, int] = {}
+        """Extent hash -> leading blocks cached (in use or free)."""
+        self.holders: dict[int, dict[int, int]] = {}
+        """Extent hash -> {held prefix length: requests holding it}."""
+        self._runs_of: dict[int, list[list]] = {}
+        self._queue: "OrderedDict[int, list]" = OrderedDict()
+        self._next_run = 0
+        self.qsize = num_blocks
+        """Blocks in the free queue as of the last sync."""
+        self.cached_free = 0
+        """Hashed blocks in the free queue (evictable hits)."""
+        self.evicted = 0
+        """Hashed blocks evicted so far (blocks)."""
+
+    # ------------------------------------------------------------------ free queue
+    def _push(self, h: int | None, lo: int, hi: int) -> None:
+        """Append blocks ``lo .. hi-1`` of ``h`` (``None``: hash-less blocks) to the queue tail."""
+        n = hi - lo
+        if h is None:
+            if self.cached_free:
+                self._add_run([None, lo, hi])
+            # else the whole queue is hash-less: its order does not matter, only its size
+            self.qsize += n
+            return
+        if self.cached_free == 0:
+            # Materialise the hash-less blocks in front: they were freed earlier.
+            self._queue.clear()
+            if self.qsize:
+                self._add_run([None, 0, self.qsize])
+        run = [h, lo, hi]
+        self._runs_of.setdefault(h, []).append(run)
+        self.cached_free += n
+        self.qsize += n
+        self._add_run(run)
+
+    def _add_run(self, run: list) -> None:
+        self._next_run += 1
+        run.append(self._next_run)
+        self._queue[self._next_run] = run
+
+    def _drop_run(self, run: list) -> None:
+        del self._queue[run[3]]
+        h = run[0]
+        if h is not None:
+            runs = self._runs_of[h]
+            runs.remove(run)
+            if not runs:
+                del self._runs_of[h]
+
+    def _sync(self, free: int) -> None:
+        """Pop the blocks allocated since the last call from the queue head (evicting hashes)."""
+        n = self.qsize - free
+        if n <= 0:
+            if n < 0:  # freed outside release(): hash-less blocks at the tail
+                self._push(None, 0, -n)
+            return
+        self.qsize = free
+        if self.cached_free == 0:
+            return
+        q = self._queue
+        while n > 0:
+            run = q[next(iter(q))]
+            h, lo, hi = run[0], run[1], run[2]
+            t = hi - lo if hi - lo < n else n
+            n -= t
+            hi -= t
+            run[2] = hi
+            if h is not None:
+                self.cached_free -= t
+                self.evicted += t
+                c = self.cached[h]
+                if hi < c:
+                    self._cut(h, hi)
+            if hi == lo:
+                self._drop_run(run)
+            if self.cached_free == 0:
+                q.clear()  # what is left is hash-less
+                return
+
+    def _cut(self, h: int, length: int) -> None:
+        """Extent ``h`` is now cached only up to ``length`` blocks (its block ``length`` was evicted)."""
+        if length:
+            self.cached[h] = length
+        else:
+            del self.cached[h]
+        for run in list(self._runs_of.get(h, ())):
+            if run[1] >= length:
+                # Free blocks above a hole are unreachable: vLLM would keep their hashes until
+                # reallocated, but a lookup stops at the hole. (The module docstring's argument
+                # says eviction never makes a hole; this keeps the state consistent if it did.)
+                self.cached_free -= run[2] - run[1]
+                run[0] = None
+                self._runs_of[h].remove(run)
+                if not self._runs_of[h]:
+                    del self._runs_of[h]
+
+    # ------------------------------------------------------------------ requests
+    def match(self, ext: Sequence[tuple[int, int]]) -> int:
+        """Longest cached prefix of ``ext`` (blocks), as of the last operation (no sync)."""
+        total = 0
+        get = self.cached.get
+        for h, n in ext:
+            c = get(h, 0)
+            if c >= n:
+                total += n
+                continue
+            return total + c
+        return total
+
+    def lookup(self, ext: Sequence[tuple[int, int]], cap: int, free: int) -> tuple[int, int]:
+        """``(hit blocks, of which free)`` for a request admitted now, at most ``cap`` hit blocks.
+
+        The free ones leave the free pool when the request is admitted (:meth:`acquire`).
+        """
+        self._sync(free)
+        total = 0
+        free_hit = 0
+        get = self.cached.get
+        holders = self.holders
+        for h, n in ext:
+            if total >= cap:
+                break
+            c = get(h, 0)
+            m = c if c < n else n
+            if total + m > cap:
+                m = cap - total
+            if m <= 0:
+                break
+            hm = holders.get(h)
+            top = max(hm) if hm else 0
+            if m > top:
+                free_hit += m - top
+            total += m
+            if m < n:
+                break
+        return total, free_hit
+
+    def acquire(self, st: PrefixState, hit: int) -> None:
+        """Admit a request with ``hit`` blocks reused (as returned by :meth:`lookup` just before)."""
+        holders = self.holders
+        left = hit
+        ei = eo = 0
+        for h, n in st.ext:
+            if left <= 0:
+                break
+            m = n if n < left else left
+            hm = holders.get(h)
+            if hm is None:
+                hm = holders[h] = {}
+                top = 0
+            else:
+                top = max(hm)
+            if m > top:
+                self._take_free(h, top, m)
+            hm[m] = hm.get(m, 0) + 1
+            st.hold.append([h, m])
+            left -= m
+            if m < n:
+                eo = m
+                break
+            ei += 1
+        st.ei, st.eo = ei, eo
+        st.held = hit
+        st.reg = hit
+        st.priv = False
+
+    def _take_free(self, h: int, lo: int, hi: int) -> None:
+        """Blocks ``lo .. hi-1`` of ``h`` (free) are reused: trim them off the bottom of its runs.
+
+        ``_runs_of[h]`` is in push order, which is descending offset (a release frees the blocks
+        just below the ones freed before), so the lowest run is the last.
+        """
+        runs = self._runs_of[h]
+        taken = 0
+        while runs:
+            run = runs[-1]
+            if run[1] >= hi:
+                break
+            if run[2] <= hi:
+                taken += run[2] - run[1]
+                del self._queue[run[3]]
+                runs.pop()
+            else:
+                taken += hi - run[1]
+                run[1] = hi
+                break
+        if not runs:
+            del self._runs_of[h]
+        self.cached_free -= taken
+        self.qsize -= taken
+
+    def register(self, st: PrefixState, upto: int, free: int) -> None:
+        """The request's first ``upto`` blocks are full and allocated: cache the new ones.
+
+        A block already cached by someone else is the request's private copy (not cached
+        twice); so is every later block of that extent.
+        """
+        if upto <= st.reg:
+            return
+        self._sync(free)
+        ext = st.ext
+        cached = self.cached
+        holders = self.holders
+        left = upto - st.reg
+        while left > 0 and st.ei < len(ext):
+            h, n = ext[st.ei]
+            k = n - st.eo
+            if k > left:
+                k = left
+            if not st.priv:
+                c = cached.get(h, 0)
+                if c == st.eo:
+                    hm = holders.get(h)
+                    if hm is None:
+                        hm = holders[h] = {}
+                    if st.eo:
+                        # Its own hold of this extent grows (it is the last one it holds).
+                        hold = st.hold[-1]
+                        cnt = hm[hold[1]] - 1
+                        if cnt:
+                            hm[hold[1]] = cnt
+                        else:
+                            del hm[hold[1]]
+                        hold[1] += k
+                        hm[hold[1]] = hm.get(hold[1], 0) + 1
+                    else:
+                        st.hold.append([h, k])
+                        hm[k] = hm.get(k, 0) + 1
+                    cached[h] = st.eo + k
+                    st.held += k
+                else:
+                    st.priv = True
+            st.eo += k
+            st.reg += k
+            left -= k
+            if st.eo >= n:
+                st.ei += 1
+                st.eo = 0
+                st.priv = False
+        st.reg += left  # blocks past the sequence's extents (none in practice)
+
+    def release(self, st: PrefixState | None, blocks: int, free: int) -> int:
+        """A request holding ``blocks`` blocks leaves (finish, preemption, abort).
+
+        Returns the blocks that go back to the free pool (those no other request holds).
+        ``st`` is None for a request without prefix identity (all its blocks are hash-less).
+        """
+        self._sync(free)
+        if st is None:
+            if blocks:
+                self._push(None, 0, blocks)
+            return blocks
+        anon = blocks - st.held
+        freed = anon
+        if anon > 0:
+            self._push(None, 0, anon)
+        holders = self.holders
+        for h, m in reversed(st.hold):
+            hm = holders[h]
+            cnt = hm[m] - 1
+            if cnt:
+                hm[m] = cnt
+                continue
+            del hm[m]
+            top = max(hm) if hm else 0
+            if not hm:
+                del holders[h]
+            if m > top:
+                self._push(h, top, m)
+                freed += m - top
+        st.hold = []
+        st.held = 0
+        st.reg = 0
+        st.ei = st.eo = 0
+        st.priv = False
+        return freed
+
+    # ------------------------------------------------------------------ checks
+    def check(self, free: int) -> None:
+        """Assert the invariants (tests): runs partition each extent's free blocks, counts agree."""
+        self._sync(free)
+        total_cached_free = 0
+        for h, c in self.cached.items():
+            hm = self.holders.get(h)
+            top = max(hm) if hm else 0
+            assert top <= c, (h, top, c)
+            runs = sorted(self._runs_of.get(h, ()), key=lambda r: r[1])
+            lo = top
+            for run in runs:
+                assert run[1] == lo and run[2] > run[1], (h, lo, run)
+                lo = run[2]
+                total_cached_free += run[2] - run[1]
+            assert lo == c, (h, lo, c)
+        assert total_cached_free == self.cached_free, (total_cached_free, self.cached_free)
+        for h in self._runs_of:
+            assert h in self.cached
+        for h in self.holders:
+            assert h in self.cached and self.holders[h]
+        if self.cached_free:
+            assert sum(r[2] - r[1] for r in self._queue.values()) == self.qsize

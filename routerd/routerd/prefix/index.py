@@ -1,0 +1,288 @@
+"""The router-side approximate prefix index: what a router knows from its own dispatches.
+
+llm-d's ``approx-prefix-cache-producer``
+(``llm-d/llm-d-router:pkg/epp/framework/plugins/requestcontrol/dataproducer/approximateprefix/indexer.go``),
+SGLang's approximate radix tree (``sgl-project/sglang:sgl-model-gateway/src/policies/tree.rs``) and
+Dynamo's approximate mode (``use_kv_events=false``, ``router_ttl_secs``) all keep, per instance, the
+prompts the router sent there, with no feedback from the engine: a prompt is believed cached on an
+instance once the router dispatched it there, until the index forgets it.
+
+Here each instance holds ``extent hash -> leading blocks believed cached`` (extents as in
+:mod:`routerd.prefix.chain`) in LRU order, bounded by a capacity in blocks. Matching walks the
+request's extents (O(extents), not O(blocks)); inserting touches each extent once.
+
+Eviction, modelled on what matters for routing:
+
+* **when**: on every insert (llm-d: its per-pod ``golang-lru`` evicts as it adds), or only at
+  periodic sweeps every ``eviction_interval_s`` (SGLang's background thread,
+  ``evict_tenant_by_size``), between which the index may grow past its capacity; optionally a TTL
+  since the last dispatch (Dynamo's approximate indexer, ``router_ttl_secs`` 120 s).
+* **what**: the least recently dispatched extent first, trimmed from its tail so what remains is
+  still a prefix. A prompt's extents are touched tail first, head last, so its head stays the
+  more recent: a long prompt loses its tail before its shared head, as SGLang's leaf-first
+  eviction and vLLM's own free queue do. (llm-d's per-block LRU adds block 0 first, so its oldest
+  entry is a prompt's *first* block; that quirk is not modelled: it only ever loses matches.)
+
+Time is the caller's clock (s); a step back is treated as standing still. Pure Python, deterministic, no
+simulator imports (routerd uses it with blocks hashed from prompt text).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Literal
+
+from routerd.prefix.chain import PrefixBlocks, matched_blocks
+
+if TYPE_CHECKING:
+    from routerd.policies.base import InstanceView
+
+
+class _InstanceIndex:
+    """One instance's entries: extent hash -> leading blocks, least recently touched first."""
+
+    __slots__ = ("blocks", "touched", "size", "capacity")
+
+    def __init__(self, capacity: int | None) -> None:
+        self.blocks: OrderedDict[int, int] = OrderedDict()
+        self.touched: dict[int, float] = {}
+        self.size = 0
+        self.capacity = capacity
+
+    def evict_to_capacity(self) -> int:
+        """Trim LRU entries until ``size <= capacity``; returns blocks evicted."""
+        cap = self.capacity
+        if cap is None or self.size <= cap:
+            return 0
+        evicted = 0
+        blocks = self.blocks
+        while self.size > cap:
+            h, c = next(iter(blocks.items()))
+            excess = self.size - cap
+            if c <= excess:
+                blocks.popitem(last=False)
+                del self.touched[h]
+                self.size -= c
+                evicted += c
+            else:
+                # Keep the leading blocks: assigning an existing key keeps its LRU position.
+                blocks[h] = c - excess
+                self.size -= excess
+                evicted += excess
+        return evicted
+
+    def expire(self, deadline: float) -> None:
+        """Drop entries last touched at or before ``deadline`` (s)."""
+        blocks, touched = self.blocks, self.touched
+        while blocks:
+            h = next(iter(blocks))
+            if touched[h] > deadline:
+                break
+            self.size -= blocks.pop(h)
+            del touched[h]
+
+
+class PrefixIndex:
+    """Per-instance approximate prefix index with LRU eviction under a capacity in blocks.
+
+    Args:
+        capacity_blocks: default capacity per instance (blocks); None: unbounded.
+            :meth:`set_capacity` overrides it per instance (llm-d sizes each pod's LRU from the
+            pod's reported GPU blocks).
+        max_blocks_per_request: only a request's first this many blocks are inserted and
+            matched (llm-d: ``maxPrefixTokensToMatch / blockSizeTokens``); None: all.
+        eviction_interval_s: None: evict on every insert. Otherwise evict only at sweeps at
+            ``k * eviction_interval_s`` (s), run by :meth:`advance` (SGLang).
+        ttl_s: forget entries this long (s) after their last insert; None: never (Dynamo's
+            approximate mode: 120 s).
+
+    Raises:
+        ValueError: a non-positive capacity, cap, interval or TTL.
+    """
+
+    def __init__(
+        self,
+        capacity_blocks: int | None = None,
+        *,
+        max_blocks_per_request: int | None = None,
+        eviction_interval_s: float | None = None,
+        ttl_s: float | None = None,
+    ) -> None:
+        for name, v in (
+            ("capacity_blocks", capacity_blocks),
+            ("max_blocks_per_request", max_blocks_per_request),
+            ("eviction_interval_s", eviction_interval_s),
+            ("ttl_s", ttl_s),
+        ):
+            if v is not None and not v > 0:
+                raise ValueError(f"PrefixIndex: {name} must be > 0 or None, got {v!r}")
+        self.default_capacity = capacity_blocks
+        self.max_blocks = max_blocks_per_request
+        self.eviction_interval_s = eviction_interval_s
+        self.ttl_s = ttl_s
+        self._next_sweep = eviction_interval_s if eviction_interval_s is not None else math.inf
+        self._now = -math.inf
+        self._inst: dict[int, _InstanceIndex] = {}
+
+    # --- state ----------------------------------------------------------------------------
+
+    def _get(self, instance: int) -> _InstanceIndex:
+        idx = self._inst.get(instance)
+        if idx is None:
+            idx = self._inst[instance] = _InstanceIndex(self.default_capacity)
+        return idx
+
+    def has_instance(self, instance: int) -> bool:
+        """Whether ``instance`` has been given a capacity or an insert yet."""
+        return instance in self._inst
+
+    def set_capacity(self, instance: int, blocks: int | None) -> None:
+        """Set ``instance``'s capacity (blocks, > 0; None: unbounded); evicts now if on-insert.
+
+        Raises:
+            ValueError: ``blocks`` <= 0.
+        """
+        if blocks is not None and blocks <= 0:
+            raise ValueError(f"PrefixIndex: capacity of instance {instance} must be > 0, got {blocks}")
+        idx = self._get(instance)
+        idx.capacity = blocks
+        if self.eviction_interval_s is None:
+            idx.evict_to_capacity()
+
+    def size(self, instance: int) -> int:
+        """Blocks ``instance``'s entries hold (may exceed capacity between periodic sweeps)."""
+        idx = self._inst.get(instance)
+        return 0 if idx is None else idx.size
+
+    def entries(self, instance: int) -> list[tuple[int, int]]:
+        """``(extent hash, leading blocks)`` of ``instance``, least recently inserted first."""
+        idx = self._inst.get(instance)
+        return [] if idx is None else list(idx.blocks.items())
+
+    # --- time -----------------------------------------------------------------------------
+
+    def advance(self, now: float) -> float:
+        """Bring the index to time ``now`` (s): run due periodic sweeps and TTL expiry.
+
+        Returns the clock the index now stands at (``max`` of all times seen).
+
+        Call before :meth:`match` at each decision; :meth:`insert` calls it itself. A sweep
+        due at ``k * interval`` evicts what was there then: nothing is inserted between the
+        sweep time and the first call after it, so one sweep at ``now`` is the same.
+        """
+        if now <= self._now:
+            return self._now  # nothing due; a clock stepping back (online jitter) stands still
+        self._now = now
+        if self.ttl_s is not None:
+            deadline = now - self.ttl_s
+            for idx in self._inst.values():
+                idx.expire(deadline)
+        if now >= self._next_sweep:
+            for idx in self._inst.values():
+                idx.evict_to_capacity()
+            step = self.eviction_interval_s
+            assert step is not None
+            self._next_sweep = (math.floor(now / step) + 1) * step
+        return self._now
+
+    # --- the two operations -----------------------------------------------------------------
+
+    def match(self, instance: int, prefix: PrefixBlocks | None) -> int:
+        """Leading blocks of ``prefix`` believed cached on ``instance`` (blocks), O(extents).
+
+        At most ``max_blocks_per_request``; 0 for ``prefix=None`` or an unknown instance.
+        """
+        if prefix is None:
+            return 0
+        idx = self._inst.get(instance)
+        if idx is None or not idx.blocks:
+            return 0
+        m = matched_blocks(prefix.extents, idx.blocks)
+        cap = self.max_blocks
+        return m if cap is None or m <= cap else cap
+
+    def insert(self, instance: int, prefix: PrefixBlocks | None, now: float) -> None:
+        """Record that ``prefix`` was dispatched to ``instance`` at ``now`` (s).
+
+        Its first ``max_blocks_per_request`` blocks become believed cached and most recently
+        used (head extents the most recent); evicts to capacity unless sweeps are periodic.
+        """
+        now = self.advance(now)
+        if prefix is None or prefix.num_blocks == 0:
+            return
+        idx = self._get(instance)
+        remaining = prefix.num_blocks if self.max_blocks is None else min(self.max_blocks, prefix.num_blocks)
+        items: list[tuple[int, int]] = []
+        for h, n in prefix.extents:
+            if remaining <= 0:
+                break
+            m = n if n < remaining else remaining
+            items.append((h, m))
+            remaining -= m
+        blocks, touched = idx.blocks, idx.touched
+        for h, m in reversed(items):
+            old = blocks.get(h)
+            if old is None:
+                blocks[h] = m
+                idx.size += m
+            else:
+                if m > old:
+                    blocks[h] = m
+                    idx.size += m - old
+                blocks.move_to_end(h)
+            touched[h] = now
+        if self.eviction_interval_s is None:
+            idx.evict_to_capacity()
+
+
+# --- optional instance-view methods, with their fallbacks -------------------------------------
+
+
+def engine_cached_blocks(inst: "InstanceView", prefix: PrefixBlocks | None) -> int | None:
+    """Leading blocks of ``prefix`` cached on ``inst`` as its engine's KV events report them.
+
+    Calls the view's optional ``engine_cached_blocks(prefix)`` (precise mode: llm-d precise
+    prefix scorer, Dynamo's KV-event indexer), clamped to ``0 .. prefix.num_blocks``; None when
+    the view has no such method (the caller then uses its approximate index). 0 for no prefix.
+    """
+    if prefix is None:
+        return 0
+    fn = getattr(inst, "engine_cached_blocks", None)
+    if fn is None:
+        return None
+    n = int(fn(prefix))
+    return 0 if n < 0 else min(n, prefix.num_blocks)
+
+
+def pending_prefill_tokens(inst: "InstanceView") -> int:
+    """Prompt tokens still to prefill on ``inst`` (tokens): waiting plus prefilling.
+
+    The view's optional ``pending_prefill_tokens()`` (net of cache hits and of chunks already
+    computed) when it has one; otherwise the sum of ``prompt_tokens`` over residents
+    ``in_prefill`` (gross: what a router counts from its own dispatch records).
+    """
+    fn = getattr(inst, "pending_prefill_tokens", None)
+    if fn is not None:
+        return int(fn())
+    return sum(r.prompt_tokens for r in inst.residents() if r.in_prefill)
+
+
+PrefixSource = Literal["approximate", "precise"]
+
+
+def cached_blocks(
+    inst: "InstanceView", prefix: PrefixBlocks | None, index: PrefixIndex, source: PrefixSource
+) -> int:
+    """Leading blocks of ``prefix`` a policy believes cached on ``inst`` (blocks).
+
+    ``precise``: :func:`engine_cached_blocks`, falling back to ``index`` where the view cannot
+    answer; ``approximate``: ``index.match``. 0 without a prefix.
+    """
+    if prefix is None:
+        return 0
+    if source == "precise":
+        n = engine_cached_blocks(inst, prefix)
+        if n is not None:
+            return n
+    return index.match(inst.index, prefix)

@@ -1,0 +1,313 @@
+"""``phasewise bench`` for prefix-aware work (issue 13, item 6): the p90 TTFT and prefix hit
+rate columns, ``--seeds`` with paired intervals, per-request CSV, capacity at SLO, plots,
+``--max-model-len`` and ``--load``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from types import SimpleNamespace
+
+import pytest
+
+from routerd.bench import (BenchResult, PolicyResult, SeedsResult, capacity_at_slo, meets_slo, paired_interval,
+                           parse_slo, run_bench, t975, with_max_model_len)
+from routerd.bench_report import format_table
+from routerd.cli import main
+from routerd.policies.base import PolicyContext
+from routerd.policies.registry import build_policy_from_spec
+from routerd.profiles import ProfileError, get_profile
+from routerd.sim import ClusterSimulator, prepare_requests
+from routerd.sim.capacity import round_robin_capacity
+from routerd.sim.report import prefix_counters, summarize
+from routerd.workloads.registry import load_workload
+from routerd.workloads.traces import mean_rate, rescale_to_rate
+
+PROFILE = "llama2-7b-v100"
+
+
+# ------------------------------------------------------------------ paired intervals
+
+
+def test_paired_interval_by_hand_on_three_seeds():
+    # Per-seed changes: (9-10)/10 = -10%, (19-20)/20 = -5%, (34-40)/40 = -15%.
+    iv = paired_interval([9.0, 19.0, 34.0], [10.0, 20.0, 40.0])
+    assert iv.diffs == pytest.approx((-10.0, -5.0, -15.0))
+    # mean -10; sample sd sqrt((0 + 25 + 25) / 2) = 5; t_{0.975,2} = 4.303.
+    half = 4.303 * 5.0 / math.sqrt(3)
+    assert iv.mean == pytest.approx(-10.0)
+    assert iv.low == pytest.approx(-10.0 - half) and iv.high == pytest.approx(-10.0 + half)
+    assert iv.n == 3
+    one = paired_interval([9.0], [10.0])
+    assert one.mean == pytest.approx(-10.0) and one.low is None and one.high is None
+    with pytest.raises(ValueError):
+        paired_interval([1.0, 2.0], [1.0])
+
+
+def test_t_table_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    for df in list(range(1, 31)) + [35, 40, 50, 60, 90, 120, 200, 1000]:
+        assert t975(df) == pytest.approx(stats.t.ppf(0.975, df), abs=2e-3), df
+
+
+def test_seeds_report_paired_intervals_of_the_per_seed_runs(tmp_path, capsys):
+    rc = main(["bench", "--limit", "40", "--seeds", "3", "--policies", "round_robin,join_shortest_queue",
+               "--no-plot", "-o", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "seeds=0,1,2" in out and "[95% CI]" in out
+    d = json.loads((tmp_path / "bench.json").read_text())
+    assert d["seeds"] == [0, 1, 2] and len(d["per_seed"]) == 3
+    for metric in ("e2e_mean", "ttft_p90", "makespan"):
+        pol = [s["results"][1][metric] for s in d["per_seed"]]
+        rr = [s["results"][0][metric] for s in d["per_seed"]]
+        diffs = [100 * (p - b) / b for p, b in zip(pol, rr)]
+        half = 4.303 * statistics.stdev(diffs) / math.sqrt(3)
+        iv = d["intervals"]["join_shortest_queue"][metric]
+        assert iv["mean_pct"] == pytest.approx(statistics.mean(diffs))
+        assert iv["low_pct"] == pytest.approx(statistics.mean(diffs) - half)
+        assert iv["high_pct"] == pytest.approx(statistics.mean(diffs) + half)
+    # The trace is re-windowed per seed: window i holds requests 40*i .. 40*i+39 of the trace.
+    trace = load_workload("sample", limit=120).requests
+    for i, s in enumerate(d["per_seed"]):
+        fits = sum(1 for r in trace[40 * i:40 * (i + 1)] if r.prompt_tokens < get_profile(PROFILE).max_model_len)
+        assert s["requests"] == fits
+    assert len({s["results"][0]["makespan"] for s in d["per_seed"]}) == 3
+    # The means row is the mean over seeds.
+    assert d["results"][0]["e2e_mean"] == pytest.approx(statistics.mean(s["results"][0]["e2e_mean"]
+                                                                        for s in d["per_seed"]))
+
+
+def test_one_seed_is_the_plain_bench(tmp_path):
+    assert main(["bench", "--limit", "60", "--policies", "round_robin;random", "--seed", "4", "--no-plot",
+                 "-o", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "bench.json").read_text())
+    assert "seeds" not in d and "per_seed" not in d
+    direct = run_bench(load_workload("sample", limit=60).requests, get_profile(PROFILE), 4,
+                       ["round_robin", "random"], seed=4)
+    for row, r in zip(d["results"], direct.results):
+        assert {k: row[k] for k in r.summary.as_dict()} == r.summary.as_dict()
+
+
+def test_too_many_windows_is_a_one_line_error(tmp_path, capsys):
+    rc = main(["bench", "--limit", "1500", "--seeds", "2", "--no-plot", "-o", str(tmp_path)])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "2000 requests cannot give 2 windows" in err
+    assert not (tmp_path / "bench.json").exists()
+
+
+# ------------------------------------------------------------------ per-request CSV
+
+
+def _simulate(requests, spec, seed, m=4):
+    profile = get_profile(PROFILE)
+    policy = build_policy_from_spec(spec, PolicyContext(profile, m, seed=seed))
+    prep = prepare_requests(requests, profile, seed=seed)
+    return ClusterSimulator(profile, m, policy).run(prep.requests)
+
+
+def test_request_csv_has_one_row_per_simulated_request_with_the_simulators_values(tmp_path):
+    specs = ["round_robin", "power_of_two_choices"]
+    assert main(["bench", "--limit", "30", "--seeds", "2", "--seed", "5", "--policies", ",".join(specs),
+                 "--no-plot", "-o", str(tmp_path)]) == 0
+    with open(tmp_path / "requests.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["policy", "seed", "request_id", "arrival_s", "instance", "prompt_tokens",
+                             "output_tokens", "cached_tokens", "ttft_s", "e2e_s", "tpot_s", "preemptions"]
+    trace = load_workload("sample", limit=60).requests
+    windows = {5: trace[:30], 6: [r.model_copy(update={"id": j}) for j, r in enumerate(trace[30:60])]}
+    expected = []
+    for seed, reqs in windows.items():
+        for spec in specs:
+            for r in _simulate(reqs, spec, seed).requests:
+                tpot = "" if r.output <= 1 else (r.finish_s - r.first_token_s) / (r.output - 1)
+                expected.append((spec, seed, r.id, r.arrival_s, r.instance, r.prompt, r.output,
+                                 getattr(r, "cached_tokens", -1), r.first_token_s - r.arrival_s,
+                                 r.finish_s - r.arrival_s, tpot, r.preemptions))
+    got = [(r["policy"], int(r["seed"]), int(r["request_id"]), float(r["arrival_s"]), int(r["instance"]),
+            int(r["prompt_tokens"]), int(r["output_tokens"]), int(r["cached_tokens"]), float(r["ttft_s"]),
+            float(r["e2e_s"]), "" if r["tpot_s"] == "" else float(r["tpot_s"]), int(r["preemptions"]))
+           for r in rows]
+    assert got == expected  # exact: floats are written in round-trip form
+    assert len(rows) == sum(json.loads((tmp_path / "bench.json").read_text())["per_seed"][i]["requests"]
+                            for i in range(2)) * len(specs)
+
+
+# ------------------------------------------------------------------ prefix hit rate
+
+
+def test_prefix_counters_and_hit_rate_column():
+    inst = [SimpleNamespace(prefix_hits=30, prefix_queries=100), SimpleNamespace(prefix_hits=10, prefix_queries=60),
+            SimpleNamespace()]  # an instance without counters counts 0 / 0
+    assert prefix_counters(SimpleNamespace(instances=inst)) == (40, 160)
+    assert prefix_counters(SimpleNamespace(instances=[SimpleNamespace()])) == (0, 0)
+    run = _simulate(load_workload("sample", limit=20).requests, "round_robin", 0)
+    s = summarize(run)
+    hits, queries = prefix_counters(run)
+    assert (s.prefix_hits, s.prefix_queries) == (hits, queries)
+    assert s.prefix_hit_rate == (hits / queries if queries else None)
+    assert s.ttft_p50 <= s.ttft_p90 <= s.ttft_p99
+
+    def table(summary):
+        b = BenchResult("w", "p", 1, "true", 0, 1, 0, 0, [PolicyResult("round_robin", summary, 0, 0, 0.0)])
+        head, row = format_table(b).splitlines()[1:3]
+        col = head.index("prefix hit %") + len("prefix hit %")
+        return row[:col].split()[-1]
+
+    from dataclasses import replace
+
+    assert table(replace(s, prefix_hits=0, prefix_queries=0, prefix_hit_rate=None)) == "-"
+    assert table(replace(s, prefix_hits=3, prefix_queries=8, prefix_hit_rate=3 / 8)) == "37.5"
+    # Pooled over seeds: summed hits / summed queries, not the mean of the rates.
+    b1 = BenchResult("w", "p", 1, "true", 0, 1, 0, 0,
+                     [PolicyResult("round_robin", replace(s, prefix_hits=1, prefix_queries=10, prefix_hit_rate=0.1),
+                                   0, 0, 0.0)])
+    b2 = BenchResult("w", "p", 1, "true", 1, 1, 0, 0,
+                     [PolicyResult("round_robin", replace(s, prefix_hits=9, prefix_queries=10, prefix_hit_rate=0.9),
+                                   0, 0, 0.0)])
+    assert SeedsResult([b1, b2]).mean_bench().results[0].summary.prefix_hit_rate == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------ capacity at SLO
+
+
+def _tiny():
+    return load_workload("sample", limit=40).requests
+
+
+def test_capacity_at_slo_meets_the_slo_and_tolerance_above_does_not():
+    profile, reqs, tol = get_profile(PROFILE), _tiny(), 0.05
+    limits = {"ttft_p90": 1.0, "tpot_p90": 0.08}
+    cap = capacity_at_slo(reqs, profile, 2, "round_robin", limits, tol=tol)
+    assert cap.rate_rps > 0 and cap.fail_rate_rps is not None
+    assert cap.fail_rate_rps <= cap.rate_rps * (1 + tol) + 1e-12
+
+    def summary_at(rate):
+        return summarize(_simulate(rescale_to_rate(reqs, rate), "round_robin", 0, m=2))
+
+    s = summary_at(cap.rate_rps)
+    assert meets_slo(s, limits) and s == cap.summary
+    assert s.ttft_p90 <= 1.0 and s.tpot_p90 <= 0.08
+    assert not meets_slo(summary_at(cap.fail_rate_rps), limits)
+    assert not meets_slo(summary_at(cap.rate_rps * (1 + tol)), limits)
+    # Every probe's verdict is what a fresh simulation at that rate says.
+    for rate, met in cap.probes[:3]:
+        assert meets_slo(summary_at(rate), limits) == met
+    assert mean_rate(rescale_to_rate(reqs, cap.rate_rps)) == pytest.approx(cap.rate_rps)
+
+
+def test_looser_slo_never_gives_lower_capacity():
+    profile, reqs = get_profile(PROFILE), _tiny()
+    start = round_robin_capacity(reqs, profile, 2)
+    # Limits from 1 s up: at low rates p90 TTFT is about 0.95 s here (long prompts prefilled alone).
+    caps = [capacity_at_slo(reqs, profile, 2, "join_shortest_queue", {"ttft_p90": t, "tpot_p90": 0.1},
+                            tol=0.05, start_rate=start).rate_rps for t in (1.0, 1.5, 3.0)]
+    assert 0 < caps[0] <= caps[1] <= caps[2]
+    again = capacity_at_slo(reqs, profile, 2, "join_shortest_queue", {"ttft_p90": 1.5, "tpot_p90": 0.1},
+                            tol=0.05, start_rate=start)
+    assert again.rate_rps == caps[1]  # seeded: reproducible
+
+
+def test_unreachable_slo_gives_zero():
+    # No request's TTFT can be under 1 µs: the SLO fails at every rate.
+    cap = capacity_at_slo(_tiny(), get_profile(PROFILE), 2, "round_robin", {"ttft_p90": 1e-6}, max_steps=3)
+    assert cap.rate_rps == 0.0 and cap.summary is None and len(cap.probes) == 4
+
+
+def test_parse_slo():
+    assert parse_slo("ttft_p90=2, tpot_p90=0.05") == {"ttft_p90": 2.0, "tpot_p90": 0.05}
+    for bad in ("", "ttft_p90", "ttft_p95=1", "ttft_p90=-1", "ttft_p90=nan", "ttft_p90=1,ttft_p90=2",
+                "ttft_p90=x"):
+        with pytest.raises(ValueError):
+            parse_slo(bad)
+
+
+def test_capacity_slo_cli_writes_json_and_plot(tmp_path, capsys):
+    rc = main(["bench", "--limit", "40", "--instances", "2", "--policies", "round_robin,join_shortest_queue",
+               "--capacity-slo", "ttft_p90=1,tpot_p90=0.08", "--slo-tolerance", "0.05", "-o", str(tmp_path / "o"),
+               "--plot", str(tmp_path / "p")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "capacity at SLO" in out and "vs round_robin" in out
+    d = json.loads((tmp_path / "o" / "capacity.json").read_text())
+    direct = capacity_at_slo(_tiny(), get_profile(PROFILE), 2, "round_robin", {"ttft_p90": 1.0, "tpot_p90": 0.08},
+                             tol=0.05)
+    assert d["results"]["round_robin"][0]["rate_rps"] == pytest.approx(direct.rate_rps)
+    assert (tmp_path / "p" / "capacity.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("args", [["--capacity-slo", "ttft_p95=1"], ["--capacity-slo", "ttft_p90=1", "--rate", "3"],
+                                  ["--capacity-slo", "ttft_p90=1", "--slo-tolerance", "0"],
+                                  ["--load", "0"], ["--load", "1.5", "--rate", "2"], ["--seeds", "0"]])
+def test_bad_bench_options_are_one_line_errors(tmp_path, capsys, args):
+    assert main(["bench", "--limit", "10", "--no-plot", "-o", str(tmp_path)] + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("phasewise: error:") and "\n" not in err
+
+
+# ------------------------------------------------------------------ --max-model-len
+
+
+def test_max_model_len_override_is_revalidated():
+    p = get_profile(PROFILE)
+    q = with_max_model_len(p, 1024)
+    assert q.max_model_len == 1024 and q.kv_capacity_tokens == p.kv_capacity_tokens
+    with pytest.raises(ProfileError, match="cannot hold one request of max_model_len=40000"):
+        with_max_model_len(p, 40000)
+    with pytest.raises(ProfileError, match="max_num_batched_tokens must be >= max_model_len"):
+        with_max_model_len(p, 8192)  # the V100 profile has no chunked prefill and a 4,096-token budget
+
+
+@pytest.mark.parametrize("value, text", [("40000", "cannot hold one request"), ("0", "must be >= 1"),
+                                         ("8192", "max_num_batched_tokens")])
+def test_max_model_len_errors_exit_2_with_nothing_written(tmp_path, capsys, value, text):
+    out = tmp_path / "o"
+    assert main(["bench", "--limit", "10", "--max-model-len", value, "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and text in err and "max_model_len" in err.replace("-", "_")
+    assert not out.exists()
+
+
+def test_max_model_len_changes_which_requests_are_rejected(tmp_path, capsys):
+    assert main(["bench", "--limit", "100", "--max-model-len", "1024", "--policies", "round_robin", "--no-plot",
+                 "-o", str(tmp_path)]) == 0
+    assert "max_model_len=1024" in capsys.readouterr().out
+    d = json.loads((tmp_path / "bench.json").read_text())
+    reqs = load_workload("sample", limit=100).requests
+    assert d["max_model_len"] == 1024
+    assert d["rejected"] == sum(1 for r in reqs if r.prompt_tokens >= 1024) > 0
+
+
+# ------------------------------------------------------------------ --load
+
+
+def test_load_sets_the_rate_relative_to_round_robin_capacity(tmp_path):
+    assert main(["bench", "--limit", "60", "--load", "1.5", "--policies", "round_robin", "--no-plot",
+                 "-o", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "bench.json").read_text())
+    reqs = load_workload("sample", limit=60).requests
+    cap = round_robin_capacity(reqs, get_profile(PROFILE), 4)
+    assert d["load"]["capacity_rps"] == [pytest.approx(cap)]
+    assert d["load"]["rate_rps"] == [pytest.approx(1.5 * cap)]
+    with open(tmp_path / "requests.csv", newline="") as f:
+        arrivals = {int(r["request_id"]): float(r["arrival_s"]) for r in csv.DictReader(f)}
+    scale = mean_rate(reqs) / (1.5 * cap)
+    for r in reqs:
+        if r.id in arrivals:
+            assert arrivals[r.id] == pytest.approx(r.arrival_s * scale)
+
+
+# ------------------------------------------------------------------ plots
+
+
+@pytest.mark.parametrize("seeds", ["1", "2"])
+def test_plots_written(tmp_path, seeds):
+    assert main(["bench", "--limit", "40", "--seeds", seeds, "--policies", "round_robin,join_shortest_queue",
+                 "--no-plot", "-o", str(tmp_path / "o"), "--plot", str(tmp_path / "p")]) == 0
+    for name in ("change.png", "ttft_cdf.png", "e2e_cdf.png"):
+        data = (tmp_path / "p" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    assert not (tmp_path / "o" / "bench.png").exists()
