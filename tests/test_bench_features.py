@@ -311,3 +311,118 @@ def test_plots_written(tmp_path, seeds):
         data = (tmp_path / "p" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
     assert not (tmp_path / "o" / "bench.png").exists()
+
+
+# ------------------------------------------------------------------ capacity bounded by saturation
+
+
+def test_capacity_never_exceeds_the_policys_saturated_throughput():
+    # 40 requests and a loose SLO: even all 40 at once drain within it, so before the bound
+    # the search doubled the rate 16 times (65,536x round robin's capacity).
+    from routerd.sim.capacity import FLOOD_RATE
+
+    profile, reqs = get_profile(PROFILE), _tiny()
+    limits = {"ttft_p90": 1000.0, "tpot_p90": 10.0}
+    for spec in ("round_robin", "join_shortest_queue"):
+        sat = summarize(_simulate(rescale_to_rate(reqs, FLOOD_RATE), spec, 0, m=2)).throughput_rps
+        # finished requests / makespan, by hand from the flood run
+        flood = _simulate(rescale_to_rate(reqs, FLOOD_RATE), spec, 0, m=2)
+        fin = [r.finish_s for r in flood.requests]
+        assert sat == pytest.approx(len(fin) / (max(fin) - min(r.arrival_s for r in flood.requests)), rel=1e-9)
+        cap = capacity_at_slo(reqs, profile, 2, spec, limits, tol=0.05)
+        assert cap.saturated and cap.fail_rate_rps is None
+        assert cap.saturated_rps == pytest.approx(sat) and cap.rate_rps == pytest.approx(sat)
+        assert max(rate for rate, _ in cap.probes) <= sat * (1 + 1e-12)
+        assert meets_slo(cap.summary, limits)
+        assert cap.as_dict()["saturated"] is True
+
+
+def test_capacity_below_saturation_is_not_flagged():
+    cap = capacity_at_slo(_tiny(), get_profile(PROFILE), 2, "round_robin", {"ttft_p90": 1.0, "tpot_p90": 0.08},
+                          tol=0.05)
+    assert not cap.saturated and cap.fail_rate_rps is not None
+    assert cap.rate_rps < cap.saturated_rps
+
+
+def test_capacity_cli_notes_a_sample_too_short(tmp_path, capsys):
+    rc = main(["bench", "--limit", "40", "--instances", "2", "--policies", "round_robin",
+               "--capacity-slo", "ttft_p90=1000", "--slo-tolerance", "0.05", "-o", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    fits = sum(1 for r in _tiny() if r.prompt_tokens < get_profile(PROFILE).max_model_len)  # simulated ones
+    assert "(sat)" in out and f"the sample is too short to find the SLO limit ({fits} requests)" in out
+    assert "run more requests" in out and "(>=)" not in out
+    r = json.loads((tmp_path / "capacity.json").read_text())["results"]["round_robin"][0]
+    assert r["saturated"] is True and r["rate_rps"] == r["saturated_rps"]
+    assert r["rate_rps"] == pytest.approx(round_robin_capacity(_tiny(), get_profile(PROFILE), 2))
+
+
+# ------------------------------------------------------------------ --seeds on a short trace
+
+
+def _trace(tmp_path, prompts):
+    p = tmp_path / "trace.csv"
+    rows = "".join(f"2023-11-16 18:15:{10 + i:02d}.0000000,{n},5\n" for i, n in enumerate(prompts))
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows)
+    return str(p)
+
+
+def test_too_few_requests_for_the_seeds_states_the_rule(tmp_path, capsys):
+    rc = main(["bench", "--workload", _trace(tmp_path, [10, 20, 30]), "--seeds", "3", "--no-plot",
+               "-o", str(tmp_path / "o")])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "of 1 requests" not in err
+    assert "each window needs at least 2 requests" in err and "3 seeds need at least 6 requests" in err
+    rc = main(["bench", "--limit", "1", "--seeds", "2", "--no-plot", "-o", str(tmp_path / "o")])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert "--limit 1" in err and "at least 2 requests" in err
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ many rejected requests
+
+
+@pytest.mark.parametrize("long, noted", [(3, True), (1, False)])
+def test_many_rejected_requests_give_a_note(tmp_path, capsys, long, noted):
+    # max_model_len of llama2-7b-v100 is 4096: prompts of 5000 tokens are rejected.
+    prompts = [5000] * long + [100] * (10 - long)
+    rc = main(["bench", "--workload", _trace(tmp_path, prompts), "--policies", "round_robin", "--no-plot",
+               "-o", str(tmp_path / "o")])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert json.loads((tmp_path / "o" / "bench.json").read_text())["rejected"] == long
+    if noted:  # 30% > 10%
+        assert f"{long} of 10 requests" in err and "(30%)" in err and "max_model_len=4096" in err
+        assert "--profile llama3.1-8b-h100" in err and "--max-model-len" in err
+    else:  # 10% is not more than 10%
+        assert "rejected" not in err
+
+
+# ------------------------------------------------------------------ Δ labels over seeds
+
+
+def test_change_of_means_and_mean_of_paired_changes_are_labelled_apart():
+    from dataclasses import replace
+
+    from routerd.bench_report import format_intervals
+
+    s = summarize(_simulate(load_workload("sample", limit=10).requests, "round_robin", 0))
+    # Round robin p90 TTFT 10 s and 100 s over two seeds, the policy 5 s and 110 s: the change
+    # of the means is (57.5 - 55) / 55 = +4.5%, the mean of the paired changes (-50% + 10%) / 2 = -20%.
+    runs = [BenchResult("w", "p", 1, "true", seed, 1, 0, 0,
+                        [PolicyResult("round_robin", replace(s, ttft_p90=rr), 0, 0, 0.0),
+                         PolicyResult("jsq", replace(s, ttft_p90=pol), 0, 0, 0.0)])
+            for seed, rr, pol in ((0, 10.0, 5.0), (1, 100.0, 110.0))]
+    seeds = SeedsResult(runs)
+    table = format_table(seeds.mean_bench()).splitlines()
+    col = table[1].index("ΔTTFT p90 % of means") + len("ΔTTFT p90 % of means")
+    assert table[3][:col].split()[-1] == "+4.5"
+    ivs = format_intervals(seeds).splitlines()
+    head = "mean of paired Δp90 TTFT % [95% CI]"
+    assert head in ivs[1] and "of the means" in ivs[0]
+    start = ivs[1].index(head)
+    assert ivs[2][start:start + len(head)].split()[0] == "-20.0"
+    # One seed: the plain table keeps the plain headings.
+    assert "of means" not in format_table(runs[0])

@@ -199,3 +199,77 @@ def test_a_comma_list_with_parameters_hints_at_semicolons(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "separate policies with ';'" in err
+
+
+# ------------------------------------------------------------------ outputs: checked first, written all or none
+
+
+def _no_simulation(*a, **k):
+    raise AssertionError("simulated before the outputs were checked")
+
+
+def _files_under(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("blocked, extra", [
+    ("o/requests.csv", []), ("o/bench.png", []), ("o/bench.json", []), ("p/change.png", []),
+    ("p/e2e_cdf.png", []), ("o/capacity.json", ["--capacity-slo", "ttft_p90=2"]),
+    ("p/capacity.png", ["--capacity-slo", "ttft_p90=2"]),
+])
+def test_an_output_path_that_is_a_folder_fails_before_simulating(tmp_path, capsys, monkeypatch, blocked, extra):
+    (tmp_path / blocked).mkdir(parents=True)
+    monkeypatch.setattr("routerd.bench.run_bench", _no_simulation)
+    monkeypatch.setattr("routerd.bench.capacity_at_slo", _no_simulation)
+    rc = main(["bench", "--limit", "10", "--policies", "round_robin,join_shortest_queue",
+               "-o", str(tmp_path / "o"), "--plot", str(tmp_path / "p")] + extra)
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("phasewise: error:") and "\n" not in err
+    assert str(tmp_path / blocked) in err and "is a folder" in err
+    assert _files_under(tmp_path) == []
+
+
+def test_an_out_folder_that_cannot_be_created_fails_before_simulating(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setattr("routerd.bench.run_bench", _no_simulation)
+    assert main(["bench", "--limit", "10", "-o", str(tmp_path / "file" / "sub")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and str(tmp_path / "file") in err and "not a folder" in err
+
+
+def test_a_write_error_leaves_no_output_and_is_one_line(tmp_path, capsys, monkeypatch):
+    def full_disk(bench, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("routerd.bench_report.plot_bench", full_disk)
+    rc = main(["bench", "--limit", "10", "--policies", "round_robin", "-o", str(tmp_path / "o" / "new"),
+               "--plot", str(tmp_path / "p")])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"phasewise: error: --out {tmp_path / 'o' / 'new' / 'bench.png'}: cannot write the file " \
+                  "(No space left on device)"
+    # bench.json and requests.csv came first but were never renamed into place; no temporaries or
+    # created folders are left.
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_outputs_replace_old_files_and_leave_no_temporaries(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "bench.json").write_text("old")
+    assert main(["bench", "--limit", "10", "--policies", "round_robin", "--no-plot", "-o", str(out)]) == 0
+    assert _files_under(out) == ["bench.json", "requests.csv"]
+    assert json.loads((out / "bench.json").read_text())["requests"] > 0
+
+
+@pytest.mark.parametrize("flag", ["--out", "--plot"])
+def test_an_empty_output_folder_is_an_error(tmp_path, capsys, monkeypatch, flag):
+    monkeypatch.chdir(tmp_path)
+    args = ["bench", "--limit", "10", "--no-plot"] + (["--out", ""] if flag == "--out" else
+                                                       ["--out", "o", "--plot", ""])
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"phasewise: error: {flag} is empty; give a folder" + (" (default bench-out)" if flag == "--out"
+                                                                         else "")
+    assert list(tmp_path.iterdir()) == []

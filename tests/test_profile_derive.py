@@ -153,7 +153,6 @@ def _write_config(tmp_path, **change) -> Path:
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"num_key_value_heads": None}, "num_key_value_heads"),
     ({"hidden_size": None}, "hidden_size"),
     ({"torch_dtype": None}, "torch_dtype"),
     ({"num_hidden_layers": "32"}, "num_hidden_layers"),
@@ -270,3 +269,161 @@ def test_shipped_tables_load():
         assert load_model_config(m).source.startswith("https://huggingface.co/")
     with pytest.raises(DeriveError):
         load_gpu("nope")
+
+
+# ---------------------------------------------------------------- adversarial inputs
+
+_GPU_FIELDS = {"device_name": "X", "memory_gib": 48, "visible_memory_gib": 45, "memory_bandwidth_gb_s": 960,
+               "bf16_dense_tflops": 364, "fp16_dense_tflops": 364}
+
+
+@pytest.mark.parametrize("field, text", [
+    ("memory_bandwidth_gb_s", "inf"),   # YAML string "inf": pydantic parses it as float('inf')
+    ("memory_bandwidth_gb_s", ".inf"),  # YAML's own infinity
+    ("fp16_dense_tflops", ".inf"),
+    ("bf16_dense_tflops", ".nan"),
+    ("memory_gib", ".inf"),
+])
+def test_gpu_spec_non_finite_number_exits_2(tmp_path, capsys, field, text):
+    gpu = tmp_path / "mygpu.yaml"
+    gpu.write_text("".join(f"{k}: {text if k == field else v}\n" for k, v in _GPU_FIELDS.items()))
+    out = tmp_path / "p.yaml"
+    assert main(["profile", "--derive", "llama-3.1-8b-instruct", str(gpu), "--max-model-len", "32768",
+                 "--output", str(out)]) == 2
+    err = _err(capsys)
+    assert str(gpu) in err and f"field {field}" in err and "finite" in err
+    assert not out.exists()
+
+
+def test_model_config_non_finite_number_exits_2(tmp_path, capsys):
+    # Python's json reads Infinity and NaN; an integer field must refuse them.
+    path = tmp_path / "config.json"
+    path.write_text(_write_config(tmp_path).read_text().replace('"hidden_size": 4096', '"hidden_size": Infinity'))
+    assert main(["profile", "--derive", str(path), "h100-80gb-sxm"]) == 2
+    err = _err(capsys)
+    assert str(path) in err and "field hidden_size" in err
+
+
+@pytest.mark.parametrize("change, field, needle", [
+    ({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}}, "quantization_config",
+     "quantized checkpoints are not supported by --derive"),
+    ({"sliding_window": 4096}, "sliding_window", "sliding-window attention is not supported by --derive"),
+])
+def test_quantized_and_sliding_window_configs_are_refused(tmp_path, capsys, change, field, needle):
+    path = _write_config(tmp_path, **change)
+    out = tmp_path / "out.yaml"
+    assert main(["profile", "--derive", str(path), "h100-80gb-sxm", "--output", str(out)]) == 2
+    err = _err(capsys)
+    assert str(path) in err and f"field {field}" in err and needle in err
+    assert not out.exists()
+
+
+def test_disabled_or_null_sliding_window_and_null_quantization_are_accepted(tmp_path):
+    # Qwen2 configs carry sliding_window with use_sliding_window false (transformers then sets it to None).
+    ref = derive_profile(load_model_config("llama-3.1-8b-instruct"), load_gpu("h100-80gb-sxm")).profile
+    for change in ({"sliding_window": None}, {"sliding_window": 131072, "use_sliding_window": False},
+                   {"quantization_config": None}):
+        data = json.loads((REPO / "routerd/routerd/data/models/llama-3.1-8b-instruct.json").read_text())
+        data.update(change)
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(data))
+        p = derive_profile(load_model_config(str(path)), load_gpu("h100-80gb-sxm")).profile
+        assert p.kv_capacity_tokens == ref.kv_capacity_tokens and p.overhead_s == ref.overhead_s
+
+
+def test_float32_checkpoint_is_sized_at_16_bits(tmp_path, capsys):
+    # vLLM dtype=auto serves float32 checkpoints in a 16-bit dtype (vllm/config/model.py _resolve_auto_dtype:
+    # "Downcast for float32 models"), so weights and KV are 2 bytes a value: the profile equals the bf16 one.
+    path = _write_config(tmp_path, torch_dtype="float32")
+    m = load_model_config(str(path))
+    assert m.dtype_bytes == 2 and m.kv_bytes_per_token == 128 * 1024
+    d32 = derive_profile(m, load_gpu("h100-80gb-sxm"))
+    d16 = derive_profile(load_model_config("llama-3.1-8b-instruct"), load_gpu("h100-80gb-sxm"))
+    p32, p16 = d32.profile, d16.profile
+    for f in ("kv_capacity_tokens", "overhead_s", "prefill_per_token_s", "prefill_attn_s", "decode_per_seq_s",
+              "decode_per_ctx_token_s"):
+        assert getattr(p32, f) == getattr(p16, f), f
+    assert d32.numbers["weights_gib"] == pytest.approx(8_030_261_248 * 2 / GIB)
+    assert "float32" in p32.sources["dtype"] and "16-bit" in p32.sources["dtype"]
+    assert "dtype" not in p16.sources
+    assert main(["profile", "--derive", str(path), "h100-80gb-sxm"]) == 0
+    assert "16-bit" in capsys.readouterr().out
+
+
+def test_max_model_len_above_the_model_limit_exits_2(capsys, tmp_path):
+    out = tmp_path / "p.yaml"
+    assert main(["profile", "--derive", "llama-3.1-8b-instruct", "h100-80gb-sxm", "--max-model-len", "200000",
+                 "--output", str(out)]) == 2
+    err = _err(capsys)
+    assert "--max-model-len 200000" in err and "max_position_embeddings=131072" in err
+    assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN" in err
+    assert not out.exists()
+    # The limit itself is accepted (the shipped profiles use it).
+    assert main(["profile", "--derive", "llama-3.1-8b-instruct", "h100-80gb-sxm", "--max-model-len",
+                 "131072"]) == 0
+
+
+def test_max_model_len_limit_follows_vllms_rope_scaling(tmp_path):
+    # vLLM multiplies the limit by a linear/dynamic/yarn RoPE factor (not for llama3, su, longrope).
+    path = _write_config(tmp_path, max_position_embeddings=4096,
+                         rope_scaling={"rope_type": "linear", "factor": 4.0})
+    m = load_model_config(str(path))
+    assert m.max_len_limit == 16384
+    derive_profile(m, load_gpu("h100-80gb-sxm"), DeriveOptions(max_model_len=16384))
+    with pytest.raises(DeriveError, match="16384"):
+        derive_profile(m, load_gpu("h100-80gb-sxm"), DeriveOptions(max_model_len=16385))
+    assert load_model_config("llama-3.1-8b-instruct").max_len_limit == 131072  # rope_type llama3: unscaled
+
+
+def test_tensor_parallel_above_kv_heads_replicates_them(capsys):
+    # vLLM ModelConfig.get_num_kv_heads: max(1, kv_heads // tp); QKVParallelLinear replicates the KV heads
+    # tp / kv_heads times, so tp must be a multiple of kv_heads (8 for Llama-3.1-8B).
+    m, gpu, eff = load_model_config("llama-3.1-8b-instruct"), load_gpu("h100-80gb-sxm"), DEFAULT_EFFICIENCY
+    d = derive_profile(m, gpu, DeriveOptions(tensor_parallel=16))
+    kv_per_gpu = 2 * 32 * 1 * 128 * 2  # one KV head per GPU: 16 KiB per token, not 128 KiB / 16 = 8 KiB
+    assert d.profile.decode_per_ctx_token_s == pytest.approx(kv_per_gpu / (3350e9 * eff.mbu_kv), rel=1e-5)
+    # Each GPU holds its 1/16 of the weights plus the second copy of its KV projection (2 replicas).
+    weights = (8_030_261_248 + 32 * 2 * 4096 * 1024) * 2 / 16
+    assert d.numbers["weights_gib"] == pytest.approx(weights / GIB)
+    assert d.profile.overhead_s == pytest.approx(weights / (3350e9 * eff.mbu_weights), rel=1e-5)
+    assert main(["profile", "--derive", "llama-3.1-8b-instruct", "h100-80gb-sxm", "--tensor-parallel", "16"]) == 0
+    capsys.readouterr()
+    assert main(["profile", "--derive", "llama-3.1-8b-instruct", "h100-80gb-sxm", "--tensor-parallel", "3"]) == 2
+    assert "--tensor-parallel 3" in _err(capsys)
+    # 12 divides the 48 query heads but neither divides nor is a multiple of the 8 KV heads.
+    m48 = m.model_copy(update={"num_attention_heads": 48, "head_dim": 128})
+    with pytest.raises(DeriveError, match="num_key_value_heads"):
+        derive_profile(m48, gpu, DeriveOptions(tensor_parallel=12))
+
+
+def test_absent_kv_heads_default_to_the_attention_heads(tmp_path):
+    # transformers' LlamaConfig: num_key_value_heads None -> num_attention_heads (multi-head attention).
+    path = _write_config(tmp_path, num_key_value_heads=None)
+    m = load_model_config(str(path))
+    assert m.num_key_value_heads == 32 and m.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2
+
+
+def test_nested_text_config_is_refused(tmp_path, capsys):
+    data = json.loads((REPO / "routerd/routerd/data/models/llama-3.1-8b-instruct.json").read_text())
+    text = {k: data.pop(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                     "num_key_value_heads", "intermediate_size", "vocab_size")}
+    data["text_config"] = text
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    assert main(["profile", "--derive", str(path), "h100-80gb-sxm"]) == 2
+    err = _err(capsys)
+    assert str(path) in err and "field text_config" in err and "nested (multimodal) configs are not supported" in err
+
+
+def test_output_that_names_no_file_exits_2(tmp_path, capsys):
+    assert main(["profile", "--derive", "llama-2-7b", "a100-80gb-sxm", "-o", ""]) == 2
+    assert "--output must name a file" in _err(capsys)
+    assert main(["profile", "--derive", "llama-2-7b", "a100-80gb-sxm", "-o", str(tmp_path)]) == 2
+    assert "--output must name a file" in _err(capsys)
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    for out in (blocker / "p.yaml", blocker / "sub" / "p.yaml"):
+        assert main(["profile", "--derive", "llama-2-7b", "a100-80gb-sxm", "-o", str(out)]) == 2
+        err = _err(capsys)
+        assert f"{blocker} is a file, not a directory" in err
+    assert blocker.read_text() == "x" and sorted(tmp_path.iterdir()) == [blocker]

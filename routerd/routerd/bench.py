@@ -208,7 +208,8 @@ def seed_workloads(
 
     Raises:
         routerd.workloads.WorkloadError: as ``load_workload``, or a trace too short for the
-            windows (fewer than 2 requests per window, or fewer than ``seeds * limit``).
+            windows (each window needs at least 2 requests, so at least ``2 * len(seeds)``; with
+            ``limit``, at least ``len(seeds) * limit``), or ``limit < 2``.
     """
     from routerd.workloads.errors import WorkloadError
     from routerd.workloads.registry import Workload, load_workload
@@ -222,12 +223,21 @@ def seed_workloads(
     if len(seeds) == 1 or name.partition(":")[0] in generators:
         return [load_workload(name, rate=rate, limit=limit, n=n, seed=s, data_dir=data_dir) for s in seeds]
     k = len(seeds)
+    # A window of one request has no queueing and no spread: each seed needs at least 2.
+    if limit is not None and limit < 2:
+        raise WorkloadError(f"workload {name!r}: --limit {limit} with {k} seeds: each seed's window needs at "
+                            "least 2 requests; use --limit >= 2")
     full = load_workload(name, limit=None if limit is None else limit * k, n=n, data_dir=data_dir)
-    size = limit if limit is not None else len(full.requests) // k
-    if size < 2 or len(full.requests) < size * k:
+    have = len(full.requests)
+    if limit is None and have < 2 * k:
         raise WorkloadError(
-            f"workload {name!r}: {len(full.requests)} requests cannot give {k} windows (one per seed) of "
-            f"{size} requests" + (f" (--limit {limit})" if limit is not None else "") + "; use fewer seeds")
+            f"workload {name!r}: {have} requests cannot be cut into {k} windows (one per seed): each window "
+            f"needs at least 2 requests, so {k} seeds need at least {2 * k} requests; use fewer seeds")
+    size = limit if limit is not None else have // k
+    if have < size * k:
+        raise WorkloadError(
+            f"workload {name!r}: {have} requests cannot give {k} windows (one per seed) of {size} requests "
+            f"(--limit {limit}): {size * k} needed; use fewer seeds or a smaller --limit")
     out = []
     for i in range(k):
         win = full.requests[i * size:(i + 1) * size]
@@ -474,20 +484,58 @@ class SloCapacity:
 
     spec: str
     rate_rps: float
-    """Highest probed arrival rate that met the SLO (req/s); 0.0 if none did."""
+    """Highest probed arrival rate that met the SLO (req/s); 0.0 if none did. Never above
+    ``saturated_rps``."""
     fail_rate_rps: float | None
     """Lowest probed rate above ``rate_rps`` that failed it (req/s), within ``(1 + tol)``
     of ``rate_rps`` once bisection ended; None if none failed up to the probe limit."""
     summary: Summary | None
     """The run at ``rate_rps`` (None if no rate met the SLO)."""
     probes: list[tuple[float, bool]]
-    """Every ``(rate_rps, met)`` evaluated, in order."""
+    """Every ``(rate_rps, met)`` evaluated, in order (the saturation run not included)."""
+    saturated_rps: float | None = None
+    """The policy's own saturated throughput on these requests (req/s): finished requests /
+    makespan with the requests offered at :data:`routerd.sim.capacity.FLOOD_RATE`; the
+    search's upper bound. None where not measured."""
+    saturated: bool = False
+    """True when the SLO still held at ``saturated_rps``: ``rate_rps`` is then that
+    throughput, a lower bound of the SLO limit the sample is too short to find (with a fixed
+    number of requests a burst can drain within the limits; more requests are needed)."""
 
     def as_dict(self) -> dict:
         """JSON-ready dict."""
         return {"policy": self.spec, "rate_rps": self.rate_rps, "fail_rate_rps": self.fail_rate_rps,
+                "saturated_rps": self.saturated_rps, "saturated": self.saturated,
                 "evaluations": len(self.probes), "probes": [list(p) for p in self.probes],
                 "summary": self.summary.as_dict() if self.summary else None}
+
+
+def saturated_throughput(
+    requests: Sequence[Request],
+    profile: HardwareProfile,
+    instances: int,
+    spec: str,
+    *,
+    seed: int = 0,
+    prediction: str = "true",
+    action_interval_s: float = 0.02,
+) -> float:
+    """Policy ``spec``'s saturated throughput (req/s) on ``requests`` over ``instances``:
+    the requests offered at :data:`routerd.sim.capacity.FLOOD_RATE` (all queued almost at
+    once), finished requests / makespan, as :func:`routerd.sim.capacity.round_robin_capacity`
+    defines it for round robin. Seeded: a fresh policy, the same ``seed``.
+
+    Raises:
+        routerd.policies.registry.PolicyError: a bad policy spec.
+    """
+    from routerd.sim.capacity import FLOOD_RATE
+    from routerd.workloads.traces import rescale_to_rate
+
+    policy = build_policy_from_spec(spec, PolicyContext(profile, instances, seed=seed,
+                                                        bucket_edges=PREDICTOR_BUCKET_EDGES))
+    run, _ = run_policy(profile, instances, policy, rescale_to_rate(list(requests), FLOOD_RATE),
+                        prediction=prediction, seed=seed, action_interval_s=action_interval_s)
+    return summarize(run).throughput_rps
 
 
 def capacity_at_slo(
@@ -508,14 +556,19 @@ def capacity_at_slo(
 
     The rate scales the workload's arrival times (:func:`routerd.workloads.traces.rescale_to_rate`,
     the shape of the arrival process kept), as loads relative to capacity are set
-    (``docs/results.md``). From ``start_rate`` (default: round robin's saturated throughput,
-    :func:`routerd.sim.capacity.round_robin_capacity`) the rate is doubled until the SLO
-    fails or halved until it holds (at most ``max_steps`` times each), then bisected
-    geometrically until ``fail / ok <= 1 + tol``. Each probe is a fresh, seeded
-    simulation (new policy, same ``seed``), so the result is reproducible. Bisection
-    assumes that meeting the SLO is monotone in the rate; ``probes`` records every
-    evaluation so a non-monotone case can be seen. Requests the profile rejects
-    (prompt >= ``max_model_len``) are not counted, as in :func:`run_bench`.
+    (``docs/results.md``). A policy cannot sustain more than its own saturated throughput
+    (:func:`saturated_throughput`), yet a fixed number of requests squeezed into a burst can
+    still drain within the limits; so that throughput is measured first and is the search's
+    upper bound. From ``start_rate`` (default: round robin's saturated throughput,
+    :func:`routerd.sim.capacity.round_robin_capacity`; capped at the bound) the rate is
+    doubled (up to the bound) until the SLO fails, or halved until it holds (at most
+    ``max_steps`` times each), then bisected geometrically until ``fail / ok <= 1 + tol``.
+    If the SLO still holds at the bound, the result is the bound with ``saturated=True``:
+    the sample is too short to find the limit. Each probe is a fresh, seeded simulation
+    (new policy, same ``seed``), so the result is reproducible. Bisection assumes that
+    meeting the SLO is monotone in the rate; ``probes`` records every evaluation so a
+    non-monotone case can be seen. Requests the profile rejects (prompt >= ``max_model_len``)
+    are not counted, as in :func:`run_bench`.
 
     Args:
         limits: summary field -> limit in s (:func:`parse_slo`).
@@ -549,17 +602,24 @@ def capacity_at_slo(
             at[rate] = s
         return met
 
+    sat = saturated_throughput(requests, profile, instances, spec, seed=seed, prediction=prediction,
+                               action_interval_s=action_interval_s)
     r = start_rate if start_rate is not None else round_robin_capacity(requests, profile, instances)
+    r = min(r, sat)
     lo: float | None = None
     hi: float | None = None
     if ok(r):
         lo = r
-        for _ in range(max_steps):
-            r *= 2
+        steps = 0
+        while lo < sat and steps < max_steps:
+            steps += 1
+            r = min(2 * r, sat)
             if not ok(r):
                 hi = r
                 break
             lo = r
+        if hi is None and lo >= sat:
+            return SloCapacity(spec, lo, None, at[lo], probes, sat, True)
     else:
         hi = r
         for _ in range(max_steps):
@@ -569,7 +629,7 @@ def capacity_at_slo(
                 break
             hi = r
     if lo is None:
-        return SloCapacity(spec, 0.0, hi, None, probes)
+        return SloCapacity(spec, 0.0, hi, None, probes, sat)
     if hi is not None:
         while hi / lo > 1 + tol:
             mid = math.sqrt(lo * hi)
@@ -577,7 +637,7 @@ def capacity_at_slo(
                 lo = mid
             else:
                 hi = mid
-    return SloCapacity(spec, lo, hi, at[lo], probes)
+    return SloCapacity(spec, lo, hi, at[lo], probes, sat)
 
 
 # ---------------------------------------------------------------------------------------------

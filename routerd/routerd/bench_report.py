@@ -34,7 +34,9 @@ def _cell(fmt: str, v) -> str:
 
 def format_table(bench: BenchResult) -> str:
     """The bench as a fixed-width table (times in s, TPOT in ms, prefix hit rate in % of
-    looked-up prompt tokens or "-" with no lookups, Δ in % against round_robin)."""
+    looked-up prompt tokens or "-" with no lookups, Δ in % against round_robin). On a table of
+    means over seeds (``seed_label`` set) the Δ columns are headed "... of means": the change
+    of the mean, unlike :func:`format_intervals`' mean of the per-seed changes."""
     base = bench.baseline()
     rows = []
     for r in bench.results:
@@ -49,6 +51,9 @@ def format_table(bench: BenchResult) -> str:
                 d_e2e, d_ttft, d_mk)
         rows.append([_cell(fmt, v) for (_, fmt), v in zip(_COLUMNS, vals)])
     head = [c for c, _ in _COLUMNS]
+    if bench.seed_label:
+        # Over seeds these are changes of the means, not the paired interval table's mean of changes.
+        head = [h + " of means" if h.startswith("Δ") else h for h in head]
     widths = [max(len(head[i]), *(len(row[i]) for row in rows)) for i in range(len(head))]
     lines = [
         f"workload={bench.workload} profile={bench.profile} instances={bench.instances} "
@@ -126,14 +131,15 @@ def format_intervals(seeds: SeedsResult) -> str:
     ivs = seeds.intervals()
     if not ivs:
         return ""
-    head = ["policy"] + [f"Δ{_METRIC_LABELS[m]} % [95% CI]" for m in INTERVAL_METRICS]
+    head = ["policy"] + [f"mean of paired Δ{_METRIC_LABELS[m]} % [95% CI]" for m in INTERVAL_METRICS]
     rows = [[spec] + [_iv_text(per[m]) for m in INTERVAL_METRICS] for spec, per in ivs.items()
             if spec != "round_robin"]
     if not rows:
         return ""
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
     lines = [f"change vs round_robin, paired over seeds {','.join(map(str, seeds.seeds))} "
-             f"(mean ± t(0.975, n-1)·s/√n of the per-seed % changes)",
+             f"(mean ± t(0.975, n-1)·s/√n of the per-seed % changes; the table above shows the change "
+             f"of the means)",
              "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
     for r in rows:
         lines.append("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))))
@@ -156,8 +162,9 @@ def format_capacity(caps: dict[str, list[SloCapacity]], limits: dict[str, float]
             delta = _iv_text(paired_interval([c.rate_rps for c in cs], [c.rate_rps for c in rr]))
         else:
             delta = "-"
-        rows.append([spec, f"{mean:.3f}" + ("" if all(c.fail_rate_rps is not None for c in cs) else " (>=)"),
-                     ratio, delta, str(sum(len(c.probes) for c in cs))])
+        mark = (" (sat)" if any(c.saturated for c in cs)
+                else " (>=)" if any(c.fail_rate_rps is None and c.rate_rps > 0 for c in cs) else "")
+        rows.append([spec, f"{mean:.3f}" + mark, ratio, delta, str(sum(len(c.probes) for c in cs))])
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
     lines = [f"capacity at SLO ({slo}); bisection over the arrival rate to within {100 * tol:g}%; "
              f"seeds {','.join(map(str, seeds))}"
@@ -165,7 +172,13 @@ def format_capacity(caps: dict[str, list[SloCapacity]], limits: dict[str, float]
              "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
     for r in rows:
         lines.append("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))))
-    if any(c.fail_rate_rps is None for cs in caps.values() for c in cs):
+    if any(c.saturated for cs in caps.values() for c in cs):
+        n = max((c.summary.requests for cs in caps.values() for c in cs if c.saturated and c.summary),
+                default=0)
+        lines.append("(sat): the SLO still held at the policy's own saturated throughput (requests offered all "
+                     "at once), so the value shown is that throughput: the sample is too short to find the SLO "
+                     f"limit" + (f" ({n} requests)" if n else "") + "; run more requests (-n or --limit)")
+    if any(c.fail_rate_rps is None and c.rate_rps > 0 and not c.saturated for cs in caps.values() for c in cs):
         lines.append("(>=): the SLO still held at the highest rate probed")
     if any(c.rate_rps == 0 for cs in caps.values() for c in cs):
         lines.append("0: the SLO failed even at the lowest rate probed")

@@ -114,13 +114,102 @@ def _print_notes(notes: list[str]) -> None:
         print(f"phasewise: note: {note}", file=sys.stderr)
 
 
-def _make_dir(flag: str, path: Path) -> None:
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {path}: exists and is not a folder")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot create the folder ({e.strerror})") from None
+#: Share of rejected requests (prompt >= max_model_len) above which bench prints a note.
+REJECTED_NOTE_FRACTION = 0.10
+
+
+class _Outputs:
+    """A command's output files, checked before any simulation and written all or none.
+
+    :meth:`file` refuses, before any time is spent, a path that is a folder or whose folder
+    cannot be created or written. :meth:`write` writes each file to a temporary name in its
+    own folder (so the final rename is atomic, same file system) and renames them into
+    place only once all are written; an ``OSError`` on the way removes the temporaries and
+    the folders it created and becomes a one-line :class:`UsageError` naming the path.
+    """
+
+    def __init__(self) -> None:
+        self._flags: dict[Path, str] = {}
+
+    @staticmethod
+    def folder(flag: str, path: Path) -> None:
+        """Refuse a folder ``path`` that exists as a non-folder, or that cannot be created or
+        written (its nearest existing ancestor is not a writable folder).
+
+        Raises:
+            UsageError: naming ``flag`` and the path.
+        """
+        import os
+
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"{flag} {path}: exists and is not a folder")
+        parent = path
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise UsageError(f"{flag} {path}: {parent} is not a folder")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {path}: cannot write into {parent}")
+
+    def file(self, flag: str, path: Path) -> None:
+        """Register output file ``path`` (given by option ``flag``) after checking it.
+
+        Raises:
+            UsageError: ``path`` is a folder (or another non-file), or its folder fails
+                :meth:`folder`.
+        """
+        self.folder(flag, path.parent)
+        if path.is_dir():
+            raise UsageError(f"{flag} {path.parent}: {path} is a folder; cannot write {path.name} there")
+        if path.exists() and not path.is_file():
+            raise UsageError(f"{flag} {path.parent}: {path} exists and is not a regular file")
+        self._flags[path] = flag
+
+    def write(self, writers) -> list[str]:
+        """Run ``writers`` (``(path, fn)`` pairs, ``fn(tmp_path)`` writes the file; a return of
+        ``False`` means it wrote nothing) and rename every result into place; returns the
+        paths written, in order.
+
+        Raises:
+            UsageError: an ``OSError`` while writing or renaming (one line, naming the path).
+        """
+        import os
+        import secrets
+
+        created: list[Path] = []
+        temps: list[tuple[Path, Path]] = []
+        path = None
+        try:
+            for path, fn in writers:
+                missing = []
+                d = path.parent
+                while not d.exists():
+                    missing.append(d)
+                    d = d.parent
+                for d in reversed(missing):
+                    d.mkdir()
+                    created.append(d)
+                tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp{path.suffix}")
+                temps.append((tmp, path))
+                if fn(tmp) is False:
+                    temps.pop()
+                    tmp.unlink(missing_ok=True)
+            for tmp, path in temps:
+                os.replace(tmp, path)
+        except OSError as e:
+            for tmp, _ in temps:
+                try:
+                    tmp.unlink(missing_ok=True)
+                except OSError:
+                    pass
+            for d in reversed(created):
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+            flag = self._flags.get(path, "output")
+            raise UsageError(f"{flag} {path}: cannot write the file ({e.strerror or e})") from None
+        return [str(p) for _, p in temps]
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -174,30 +263,52 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from routerd.sim.prepare import parse_prediction
 
         parse_prediction(args.prediction)
+    # Path("") is the current folder: an empty value is a mistake, not a request to write here.
+    if not args.out.strip():
+        raise UsageError("--out is empty; give a folder (default bench-out)")
+    if args.plot is not None and not args.plot.strip():
+        raise UsageError("--plot is empty; give a folder")
     out = Path(args.out)
-    _make_dir("--out", out)
     plot_dir = Path(args.plot) if args.plot is not None else None
+    # Every output is checked now, before any simulation, and written all together at the end.
+    outputs = _Outputs()
+    outputs.folder("--out", out)
     if plot_dir is not None:
-        _make_dir("--plot", plot_dir)
+        outputs.folder("--plot", plot_dir)
+    if args.study8:
+        outputs.file("--out", out / "study8.json")
+    elif limits is not None:
+        outputs.file("--out", out / "capacity.json")
+        if plot_dir is not None:
+            outputs.file("--plot", plot_dir / "capacity.png")
+    else:
+        for name in ("bench.json", "requests.csv") + (() if args.no_plot else ("bench.png",)):
+            outputs.file("--out", out / name)
+        if plot_dir is not None:
+            for name in ("change.png", "ttft_cdf.png", "e2e_cdf.png"):
+                outputs.file("--plot", plot_dir / name)
     if args.study8:
         _print_notes(notes)
         study = eight_request_study(profile, specs, seed=args.seed, prediction=args.prediction)
         print(format_study(study))
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "study8.json").write_text(json.dumps(study.as_dict(), indent=2))
-        print(f"wrote {out / 'study8.json'}")
+        text = json.dumps(study.as_dict(), indent=2)
+        written = outputs.write([(out / "study8.json", lambda p: p.write_text(text))])
+        print("wrote " + ", ".join(written))
         return 0
     seeds = [args.seed + i for i in range(args.seeds)]
     wls = seed_workloads(args.workload, seeds, rate=args.rate, limit=args.limit, n=args.n,
                          data_dir=args.data_dir)
     pred = None
     per_seed = []  # (seed, workload, requests, prediction mode)
+    offered = rejected = 0
     for seed, wl in zip(seeds, wls):
         requests, prediction = wl.requests, args.prediction
         fitting = sum(1 for r in requests if r.prompt_tokens < profile.max_model_len)
         if fitting == 0:
             raise UsageError(f"all {len(requests)} requests of {wl.name!r} are rejected: every prompt is "
                              f">= max_model_len={profile.max_model_len} of profile {profile.name!r}")
+        offered += len(requests)
+        rejected += len(requests) - fitting
         if prediction.startswith("predictor:"):
             # A real predictor, run once per request before simulating (mode "given").
             from routerd.model import PREDICTOR_BUCKET_EDGES
@@ -213,6 +324,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                              "use --prediction predictor:SPEC (majority, task-prior, length-only, "
                              "length+task or a trained model folder)")
         per_seed.append((seed, wl, requests, prediction))
+    if rejected > REJECTED_NOTE_FRACTION * offered:
+        # vLLM refuses such prompts; a silent count in the header hides that the bench ran on part of the trace.
+        long_ctx = "llama3.1-8b-h100"
+        hint = ("raise --max-model-len" if profile.name == long_ctx else
+                f"use a long-context profile (--profile {long_ctx}) or raise --max-model-len")
+        notes.append(f"{rejected} of {offered} requests of {wls[0].name!r} ({100 * rejected / offered:.0f}%) are "
+                     f"rejected: their prompts are >= max_model_len={profile.max_model_len} of profile "
+                     f"{profile.name!r}, so only the rest are simulated; {hint}")
     _print_notes(notes)
     mml = f" max_model_len={profile.max_model_len} (--max-model-len)" if args.max_model_len is not None else ""
     base_progress = _progress_factory()
@@ -223,7 +342,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return lambda spec, total: base_progress(f"{spec} (seed {seed})", total)
 
     if limits is not None:
-        return _bench_capacity(args, profile, specs, per_seed, limits, out, plot_dir,
+        return _bench_capacity(args, profile, specs, per_seed, limits, out, plot_dir, outputs,
                                format_capacity, plot_capacity, capacity_at_slo)
 
     benches, loads = [], []
@@ -252,31 +371,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         ivs = format_intervals(result)
         if ivs:
             print(ivs)
-    out.mkdir(parents=True, exist_ok=True)
     data = result.as_dict()
     descs = [wl.description for _, wl, _, _ in per_seed]
     data["workload_description"] = descs[0] if len(descs) == 1 else descs
     data["max_model_len"] = profile.max_model_len
     if args.load is not None:
         data["load"] = {"load": args.load, "capacity_rps": [c for c, _ in loads], "rate_rps": [r for _, r in loads]}
-    (out / "bench.json").write_text(json.dumps(data, indent=2))
-    written = [str(out / "bench.json")]
-    write_requests_csv(benches, out / "requests.csv")
-    written.append(str(out / "requests.csv"))
+    text = json.dumps(data, indent=2)
+    writers = [(out / "bench.json", lambda p: p.write_text(text)),
+               (out / "requests.csv", lambda p: write_requests_csv(benches, p))]
     if not args.no_plot:
-        plot_bench(shown, out / "bench.png")
-        written.append(str(out / "bench.png"))
+        writers.append((out / "bench.png", lambda p: plot_bench(shown, p)))
     if plot_dir is not None:
-        if plot_changes(result, plot_dir / "change.png"):
-            written.append(str(plot_dir / "change.png"))
-        plot_cdfs(benches, plot_dir / "ttft_cdf.png", plot_dir / "e2e_cdf.png")
-        written += [str(plot_dir / "ttft_cdf.png"), str(plot_dir / "e2e_cdf.png")]
-    print("wrote " + ", ".join(written))
+        cdf: dict[str, Path] = {}
+        writers += [(plot_dir / "change.png", lambda p: plot_changes(result, p)),
+                    # plot_cdfs writes both CDFs in one call; the second writer only hands over its path.
+                    (plot_dir / "ttft_cdf.png", lambda p: cdf.update(ttft=p)),
+                    (plot_dir / "e2e_cdf.png", lambda p: plot_cdfs(benches, cdf["ttft"], p))]
+    print("wrote " + ", ".join(outputs.write(writers)))
     return 0
 
 
-def _bench_capacity(args, profile, specs, per_seed, limits, out, plot_dir, format_capacity, plot_capacity,
-                    capacity_at_slo) -> int:
+def _bench_capacity(args, profile, specs, per_seed, limits, out, plot_dir, outputs, format_capacity,
+                    plot_capacity, capacity_at_slo) -> int:
     """``phasewise bench --capacity-slo``: capacity at SLO per policy and seed."""
     from routerd.sim.capacity import round_robin_capacity
 
@@ -301,12 +418,11 @@ def _bench_capacity(args, profile, specs, per_seed, limits, out, plot_dir, forma
         "workload_description": [wl.description for _, wl, _, _ in per_seed],
         "results": {spec: [c.as_dict() for c in cs] for spec, cs in caps.items()},
     }
-    (out / "capacity.json").write_text(json.dumps(data, indent=2))
-    written = [str(out / "capacity.json")]
+    text = json.dumps(data, indent=2)
+    writers = [(out / "capacity.json", lambda p: p.write_text(text))]
     if plot_dir is not None:
-        plot_capacity(caps, limits, plot_dir / "capacity.png")
-        written.append(str(plot_dir / "capacity.png"))
-    print("wrote " + ", ".join(written))
+        writers.append((plot_dir / "capacity.png", lambda p: plot_capacity(caps, limits, p)))
+    print("wrote " + ", ".join(outputs.write(writers)))
     return 0
 
 

@@ -13,6 +13,7 @@ in the router queue (the paper's "no-action", arXiv 2408.13510 §5.3).
 
 from __future__ import annotations
 
+import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol, Sequence
@@ -202,3 +203,19 @@ class RoutingPolicy(ABC):
 
     def on_complete(self, instance: int, request_id: int, now: float) -> None:  # noqa: B027
         """Told when a request finishes on ``instance`` (optional hook)."""
+
+
+def queue_scores(instances: Sequence[InstanceView]) -> list[float]:
+    """llm-d's queue scorer per instance, in view order: ``(max_q - q) / (max_q - min_q)`` over
+    the candidates' waiting-queue sizes, 1 for every instance when all are equal
+    (``llm-d/llm-d-router:pkg/epp/framework/plugins/scheduling/scorer/queue``)."""
+    waits = [inst.num_waiting for inst in instances]
+    lo, hi = min(waits), max(waits)
+    span = hi - lo
+    return [1.0 if span == 0 else (hi - w) / span for w in waits]
+
+
+def pick_tie(best: Sequence[int], rng: "random.Random") -> int:
+    """One of ``best`` (equal top candidates), uniformly with the policy's seeded generator."""
+    return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
+

@@ -39,7 +39,14 @@ import random
 
 from pydantic import Field
 
-from routerd.policies.base import ClusterView, PolicyContext, PolicyParams, RequestFeatures, RoutingPolicy
+from routerd.policies.base import (
+    ClusterView,
+    PolicyContext,
+    PolicyParams,
+    RequestFeatures,
+    RoutingPolicy,
+    pick_tie,
+)
 from routerd.prefix.index import PrefixIndex, PrefixSource, cached_blocks, pending_prefill_tokens
 
 #: Dynamo's ``router_ttl_secs`` default (s): lifetime of an approximate (no KV events) entry.
@@ -98,8 +105,7 @@ class DynamoKv(RoutingPolicy):
             k = self._softmax_sample(costs, t)
         else:
             lo = min(costs)
-            ties = [j for j, c in enumerate(costs) if c == lo]
-            k = ties[self._rng.randrange(len(ties))] if len(ties) > 1 else ties[0]
+            k = pick_tie([j for j, c in enumerate(costs) if c == lo], self._rng)
         chosen = view.instances[k].index
         self.index.insert(chosen, request.prefix, view.now)
         return chosen

@@ -21,7 +21,15 @@ from typing import Literal
 
 from pydantic import Field
 
-from routerd.policies.base import ClusterView, PolicyContext, PolicyParams, RequestFeatures, RoutingPolicy
+from routerd.policies.base import (
+    ClusterView,
+    PolicyContext,
+    PolicyParams,
+    RequestFeatures,
+    RoutingPolicy,
+    pick_tie,
+    queue_scores,
+)
 
 
 class Params(PolicyParams):
@@ -50,18 +58,14 @@ class QueueKvScorer(RoutingPolicy):
         instances = view.instances
         wq = self.params.queue_weight
         wkv = self.params.kv_weight
-        lo = min(inst.num_waiting for inst in instances)
-        hi = max(inst.num_waiting for inst in instances)
-        span = hi - lo
         best: list[int] = []
         best_score = 0.0
-        for inst in instances:
-            q = 1.0 if span == 0 else (hi - inst.num_waiting) / span
+        for inst, q in zip(instances, queue_scores(instances)):
             score = wq * q + wkv * (1.0 - inst.kv_usage)
             if not best or score > best_score:
                 best, best_score = [inst.index], score
             elif score == best_score:
                 best.append(inst.index)
-        if len(best) > 1 and self.params.tie_break == "random":
-            return best[self._rng.randrange(len(best))]
+        if self.params.tie_break == "random":
+            return pick_tie(best, self._rng)
         return best[0]

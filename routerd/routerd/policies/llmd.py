@@ -38,7 +38,15 @@ import random
 
 from pydantic import Field
 
-from routerd.policies.base import ClusterView, PolicyContext, PolicyParams, RequestFeatures, RoutingPolicy
+from routerd.policies.base import (
+    ClusterView,
+    PolicyContext,
+    PolicyParams,
+    RequestFeatures,
+    RoutingPolicy,
+    pick_tie,
+    queue_scores,
+)
 from routerd.prefix.index import PrefixIndex, PrefixSource, cached_blocks
 
 #: llm-d's ``defaultLRUCapacityPerServer`` (entries = blocks), used when a pod reports no blocks.
@@ -87,13 +95,9 @@ class LlmD(RoutingPolicy):
         total = 0
         if prefix is not None:
             total = prefix.num_blocks if self._cap_blocks is None else min(prefix.num_blocks, self._cap_blocks)
-        lo = min(inst.num_waiting for inst in instances)
-        hi = max(inst.num_waiting for inst in instances)
-        span = hi - lo
         best: list[int] = []
         best_score = 0.0
-        for k, inst in enumerate(instances):
-            q = 1.0 if span == 0 else (hi - inst.num_waiting) / span
+        for k, (inst, q) in enumerate(zip(instances, queue_scores(instances))):
             score = p.queue_weight * q + p.kv_weight * (1.0 - inst.kv_usage)
             if total:
                 m = min(cached_blocks(inst, prefix, self.index, p.prefix_source), total)
@@ -102,7 +106,7 @@ class LlmD(RoutingPolicy):
                 best, best_score = [k], score
             elif score == best_score:
                 best.append(k)
-        k = best[self._rng.randrange(len(best))] if len(best) > 1 else best[0]
+        k = pick_tie(best, self._rng)
         chosen = instances[k]
         if prefix is not None:
             if not self.index.has_instance(chosen.index):

@@ -18,8 +18,10 @@ Terms, for instance ``i`` with ``B`` decoding requests whose contexts sum to ``S
   ``max_num_batched_tokens`` tokens with the decode batch):
   ``k = prefill_per_token + t_dec / max_num_batched_tokens``;
 * uncached tokens ``u = prompt - block_size * h`` (at least 1: the last token is computed);
-* ``ttft = k * (P + u) + prefill_attn * u * (block_size * h + u)`` (prefill attention is
-  quadratic in what the chunk attends: the cached prefix plus itself);
+* ``ttft = k * (P + u) + prefill_attn * (A + u * (block_size * h + u))`` (prefill attention is
+  quadratic in what a chunk attends: the cached prefix plus itself; ``A`` is the same sum over
+  the prefill work queued there, ``sum u_j * (c_j + u_j)``, so a long prompt ahead weighs what
+  it costs, not just its length);
 * ``decode = predicted_output * (t_dec + decode_per_seq + decode_per_ctx * (prompt + predicted_output / 2))``;
 * ``interference = B * (prefill_per_token * u + prefill_attn * u * (block_size * h + u))``:
   the delay its prefill adds to each request decoding there (the "cost of prefill that a
@@ -49,9 +51,16 @@ import random
 
 from pydantic import Field
 
-from routerd.policies.base import ClusterView, PolicyContext, PolicyParams, RequestFeatures, RoutingPolicy
+from routerd.policies.base import (
+    ClusterView,
+    PolicyContext,
+    PolicyParams,
+    RequestFeatures,
+    RoutingPolicy,
+    pick_tie,
+)
 from routerd.policies.kv_headroom import blocks_for, predicted_footprint_tokens, waiting_kv_blocks
-from routerd.prefix.index import PrefixIndex, PrefixSource, cached_blocks, pending_prefill_tokens
+from routerd.prefix.index import PrefixIndex, PrefixSource, cached_blocks, pending_prefill_work
 
 
 class Params(PolicyParams):
@@ -123,7 +132,8 @@ class Phasewise(RoutingPolicy):
             t_dec = a + k_seq * B + k_ctx * S
             k = k_pf + t_dec / budget
             attn = k_attn * u * (cached + u)
-            ttft = k * (pending_prefill_tokens(inst) + u) + attn
+            q_tokens, q_attended = pending_prefill_work(inst)
+            ttft = k * (q_tokens + u) + k_attn * q_attended + attn
             cost = (ttft + p.decode_weight * out * (t_dec + own_step)
                     + p.interference_weight * B * (k_pf * u + attn))
             usable = int(inst.kv_total_blocks * (1.0 - p.reserve_fraction))
@@ -143,7 +153,7 @@ class Phasewise(RoutingPolicy):
         choice_set = best or (None if p.hold else fallback)
         if not choice_set:
             return None
-        choice = choice_set[0] if len(choice_set) == 1 else self._rng.choice(choice_set)
+        choice = pick_tie(choice_set, self._rng)
         if prefix is not None:
             self._index.insert(choice, prefix, view.now)
         return choice

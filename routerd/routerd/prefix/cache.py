@@ -143,6 +143,10 @@ class PrefixCache:
         self.qsize = free
         if self.cached_free == 0:
             return
+        self._evict(n)
+
+    def _evict(self, n: int) -> None:
+        """Pop ``n`` blocks from the queue head (``cached_free > 0``)."""
         q = self._queue
         while n > 0:
             run = q[next(iter(q))]
@@ -154,8 +158,13 @@ class PrefixCache:
             if h is not None:
                 self.cached_free -= t
                 self.evicted += t
-                c = self.cached[h]
-                if hi < c:
+                if self._runs_of[h][0] is run:
+                    # The oldest run of h holds its top blocks: the cached prefix ends at hi.
+                    if hi:
+                        self.cached[h] = hi
+                    else:
+                        del self.cached[h]
+                elif hi < self.cached[h]:
                     self._cut(h, hi)
             if hi == lo:
                 self._drop_run(run)
@@ -198,7 +207,8 @@ class PrefixCache:
 
         The free ones leave the free pool when the request is admitted (:meth:`acquire`).
         """
-        self._sync(free)
+        if self.qsize != free:
+            self._sync(free)
         total = 0
         free_hit = 0
         get = self.cached.get
@@ -250,6 +260,13 @@ class PrefixCache:
         st.reg = hit
         st.priv = False
 
+    def admit(self, st: PrefixState, hit: int, upto: int, free: int) -> None:
+        """:meth:`acquire` then :meth:`register` up to ``upto`` blocks (an admission's first chunk)."""
+        if hit:
+            self.acquire(st, hit)
+        register = self.register
+        register(st, upto, free)
+
     def _take_free(self, h: int, lo: int, hi: int) -> None:
         """Blocks ``lo .. hi-1`` of ``h`` (free) are reused: trim them off the bottom of its runs.
 
@@ -281,49 +298,75 @@ class PrefixCache:
         A block already cached by someone else is the request's private copy (not cached
         twice); so is every later block of that extent.
         """
-        if upto <= st.reg:
+        left = upto - st.reg
+        if left <= 0:
             return
-        self._sync(free)
+        if self.qsize != free:
+            self._sync(free)
         ext = st.ext
+        eo = st.eo
+        if eo and not st.priv:
+            # The common case, a prefill chunk within the extent it is computing: its hold grows.
+            h, n = ext[st.ei]
+            if eo + left < n and self.cached.get(h, 0) == eo:
+                hl = st.hold[-1]
+                hm = self.holders[h]
+                c = hm[eo]
+                if c == 1:
+                    del hm[eo]
+                else:
+                    hm[eo] = c - 1
+                eo += left
+                hl[1] = eo
+                hm[eo] = hm.get(eo, 0) + 1
+                self.cached[h] = eo
+                st.held += left
+                st.eo = eo
+                st.reg = upto
+                return
         cached = self.cached
         holders = self.holders
-        left = upto - st.reg
-        while left > 0 and st.ei < len(ext):
-            h, n = ext[st.ei]
-            k = n - st.eo
+        hold = st.hold
+        ei, eo, priv = st.ei, st.eo, st.priv
+        nx = len(ext)
+        while left > 0 and ei < nx:
+            h, n = ext[ei]
+            k = n - eo
             if k > left:
                 k = left
-            if not st.priv:
-                c = cached.get(h, 0)
-                if c == st.eo:
-                    hm = holders.get(h)
-                    if hm is None:
-                        hm = holders[h] = {}
-                    if st.eo:
-                        # Its own hold of this extent grows (it is the last one it holds).
-                        hold = st.hold[-1]
-                        cnt = hm[hold[1]] - 1
-                        if cnt:
-                            hm[hold[1]] = cnt
+            if not priv:
+                if cached.get(h, 0) == eo:
+                    if eo:
+                        # Its own hold of this extent grows (the last one it holds).
+                        hl = hold[-1]
+                        hm = holders[h]
+                        old = hl[1]
+                        c = hm[old]
+                        if c == 1:
+                            del hm[old]
                         else:
-                            del hm[hold[1]]
-                        hold[1] += k
-                        hm[hold[1]] = hm.get(hold[1], 0) + 1
+                            hm[old] = c - 1
+                        hl[1] = old + k
+                        hm[old + k] = hm.get(old + k, 0) + 1
                     else:
-                        st.hold.append([h, k])
-                        hm[k] = hm.get(k, 0) + 1
-                    cached[h] = st.eo + k
+                        hold.append([h, k])
+                        hm = holders.get(h)
+                        if hm is None:
+                            holders[h] = {k: 1}
+                        else:
+                            hm[k] = hm.get(k, 0) + 1
+                    cached[h] = eo + k
                     st.held += k
                 else:
-                    st.priv = True
-            st.eo += k
-            st.reg += k
+                    priv = True
+            eo += k
             left -= k
-            if st.eo >= n:
-                st.ei += 1
-                st.eo = 0
-                st.priv = False
-        st.reg += left  # blocks past the sequence's extents (none in practice)
+            if eo >= n:
+                ei += 1
+                eo = 0
+                priv = False
+        st.ei, st.eo, st.priv = ei, eo, priv
+        st.reg = upto  # blocks past the sequence's extents (none in practice) count as private
 
     def release(self, st: PrefixState | None, blocks: int, free: int) -> int:
         """A request holding ``blocks`` blocks leaves (finish, preemption, abort).
@@ -331,10 +374,14 @@ class PrefixCache:
         Returns the blocks that go back to the free pool (those no other request holds).
         ``st`` is None for a request without prefix identity (all its blocks are hash-less).
         """
-        self._sync(free)
+        if self.qsize != free:
+            self._sync(free)
         if st is None:
             if blocks:
-                self._push(None, 0, blocks)
+                if self.cached_free:
+                    self._push(None, 0, blocks)
+                else:
+                    self.qsize += blocks
             return blocks
         anon = blocks - st.held
         freed = anon

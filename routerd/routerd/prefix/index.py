@@ -268,6 +268,28 @@ def pending_prefill_tokens(inst: "InstanceView") -> int:
     return sum(r.prompt_tokens for r in inst.residents() if r.in_prefill)
 
 
+def pending_prefill_work(inst: "InstanceView") -> tuple[int, int]:
+    """``(tokens, attended)`` still to prefill on ``inst``: tokens, and the sum over requests of
+    ``u * (c + u)`` (tokens^2) for ``u`` tokens still to compute after ``c`` done or cached.
+
+    The view's optional ``pending_prefill_work()`` when it has one; else its
+    ``pending_prefill_tokens()`` with 0 attended (unknown); else each in-prefill resident's
+    whole prompt as ``u`` with nothing done (what a router counts from its own dispatch records).
+    """
+    fn = getattr(inst, "pending_prefill_work", None)
+    if fn is not None:
+        t, a = fn()
+        return int(t), int(a)
+    if getattr(inst, "pending_prefill_tokens", None) is not None:
+        return pending_prefill_tokens(inst), 0  # tokens only: the attention part is unknown
+    tokens = attended = 0
+    for r in inst.residents():
+        if r.in_prefill:
+            tokens += r.prompt_tokens
+            attended += r.prompt_tokens * r.prompt_tokens
+    return tokens, attended
+
+
 PrefixSource = Literal["approximate", "precise"]
 
 

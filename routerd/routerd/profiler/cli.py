@@ -147,6 +147,26 @@ def _shipped(kind: str) -> list[str]:
         return []
 
 
+def _output_path(output: str):
+    """``--output`` as a :class:`~pathlib.Path`, checked before any work: it must name a file, and the
+    nearest existing folder above it must be a folder.
+
+    Raises:
+        ConfigError: empty, a folder (or ending in a separator), or below an existing file."""
+    import os
+    from pathlib import Path
+
+    if not output or output.endswith(("/", os.sep)) or Path(output).is_dir():
+        raise ConfigError(f"--output must name a file, got {output!r}")
+    out = Path(output)
+    for parent in out.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise ConfigError(f"--output {out}: {parent} is a file, not a directory")
+            break
+    return out
+
+
 _ENDPOINT_ONLY = ("model", "base_profile", "quick", "kv_capacity_tokens", "chunked_prefill")
 _DERIVE_ONLY = ("max_model_len", "gpu_memory_utilization", "tensor_parallel")
 
@@ -157,12 +177,12 @@ def run_derive(args: argparse.Namespace) -> int:
     The file is written to a temporary file beside it and renamed, so a failure leaves no partial file.
 
     Raises:
-        ConfigError: an endpoint-only flag, an unknown or invalid model config or GPU (names the file and
-            field), or a profile vLLM would refuse (e.g. KV capacity below ``--max-model-len``).
+        ConfigError: an endpoint-only flag, an ``--output`` that names no file or lies below a file, an
+            unknown or invalid model config or GPU (names the file and field), or a profile vLLM would
+            refuse (e.g. KV capacity below ``--max-model-len``).
     """
     import os
     import tempfile
-    from pathlib import Path
 
     from pydantic import ValidationError
 
@@ -175,6 +195,7 @@ def run_derive(args: argparse.Namespace) -> int:
     if args.max_batch_tokens != 2000:
         raise ConfigError("--max-batch-tokens applies to --endpoint, not --derive")
     model_arg, gpu_arg = args.derive
+    out = None if args.output is None else _output_path(args.output)
     try:
         options = DeriveOptions(
             name=args.name, max_model_len=args.max_model_len,
@@ -191,10 +212,9 @@ def run_derive(args: argparse.Namespace) -> int:
     from routerd.profiler.derive import profile_yaml
 
     text = profile_yaml(derivation, derive_command(model_arg, gpu_arg, options, args.output))
-    if args.output is None:
+    if out is None:
         print(text, end="")
         return 0
-    out = Path(args.output)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)

@@ -7,8 +7,11 @@ efficiency factors (:class:`Efficiency`); the KV capacity follows from vLLM's me
 accounting (:class:`MemoryBudget`). docs/profiles.md has the derivation, every number's
 source and the validation (``benchmarks/derive_check.py``).
 
-Model (Llama-style decoder: Llama, Mistral, Qwen2; gated MLP of three matrices), per GPU
-at tensor parallelism ``tp``, ``b`` bytes per value of the model dtype::
+Model (Llama-style decoder: Llama, Mistral, Qwen2; gated MLP of three matrices; unquantized, full
+attention), per GPU at tensor parallelism ``tp``, ``b`` = 2 bytes per value (vLLM serves float32
+checkpoints in 16 bits, :data:`SERVED_DTYPE_BYTES`). At ``tp > kv_heads`` vLLM replicates the KV
+heads (one per GPU): the K/V weights count ``tp / kv_heads`` times and ``kv_bytes/token / tp``
+becomes ``2 * L * head_dim * b`` (:meth:`ModelConfig.kv_bytes_per_token_per_gpu`)::
 
     params        = V*h*(1 + untied) + L*(h*q + 2*h*kv + q*h + 3*h*I + 2*h) + h     (+ biases)
     kv_bytes/token = 2 * L * kv_heads * head_dim * b                            (K and V, all layers)
@@ -55,7 +58,19 @@ from routerd.profiles import HardwareProfile
 GIB = 1024**3
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
-"""Bytes per value of each ``torch_dtype`` a config may name (vLLM's KV dtype is the model dtype)."""
+"""Bytes per value of each ``torch_dtype`` a config may name, as stored in the checkpoint."""
+
+SERVED_DTYPE_BYTES = 2
+"""Bytes per weight / KV value as vLLM serves every unquantized checkpoint with ``dtype=auto``: 16-bit
+models as they are, float32 ones downcast to a 16-bit dtype (vllm/config/model.py ``_resolve_auto_dtype``:
+"Downcast for float32 models"; older releases: ``_get_and_verify_dtype``, "we use float16 for float32
+models"). vLLM's KV dtype is the served model dtype (``CacheConfig.cache_dtype`` "auto")."""
+
+FLOAT32_DTYPES = ("float32", "float")
+"""``torch_dtype`` spellings of a float32 checkpoint (sized as served, at :data:`SERVED_DTYPE_BYTES`)."""
+
+_ROPE_UNSCALED = ("su", "longrope", "llama3", "default")
+"""RoPE types whose ``factor`` vLLM does not apply to the length limit (``_get_and_verify_max_len``)."""
 
 PAPER_GRAD2 = 3.3e-5
 """Mixing-estimator decode gradient of arXiv 2408.13510 §5.2, kept as in the shipped profiles:
@@ -77,7 +92,7 @@ class DeriveError(ConfigError):
 class ModelConfig(BaseModel):
     """The fields of a Hugging Face ``config.json`` that the derivation uses."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
     name: str
     """Model name (the shipped config's name, or the file's stem)."""
@@ -105,6 +120,9 @@ class ModelConfig(BaseModel):
     """Biases on the Q, K, V and O projections."""
     mlp_bias: bool = False
     """Biases on the MLP projections."""
+    rope_scaling: dict[str, Any] | None = None
+    """RoPE scaling (``rope_type`` or ``type``, ``factor``, ``original_max_position_embeddings``); only its
+    effect on the longest allowed ``max_model_len`` is used (:attr:`max_len_limit`)."""
     source: str = Field(default="", alias="_source")
     """Where the config's values come from (the shipped files cite the Hugging Face page)."""
     config_file: str = ""
@@ -112,8 +130,54 @@ class ModelConfig(BaseModel):
 
     @property
     def dtype_bytes(self) -> int:
-        """Bytes per weight / KV value."""
-        return DTYPE_BYTES[self.torch_dtype]
+        """Bytes per weight / KV value as vLLM serves the model: :data:`SERVED_DTYPE_BYTES` (2) for every
+        dtype, float32 checkpoints included (vLLM downcasts them to 16 bits)."""
+        return SERVED_DTYPE_BYTES
+
+    @property
+    def is_float32(self) -> bool:
+        """Whether the checkpoint is float32 (served downcast to 16 bits)."""
+        return self.torch_dtype in FLOAT32_DTYPES
+
+    @property
+    def max_len_limit(self) -> int:
+        """Longest ``max_model_len`` vLLM accepts without ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` (tokens).
+
+        vLLM ``_get_and_verify_max_len`` (vllm/config/model.py): ``max_position_embeddings``, times the RoPE
+        ``factor`` unless the type is llama3, su, longrope or default; for yarn the base is
+        ``original_max_position_embeddings``. Llama-3.1 (llama3): 131,072."""
+        rope = self.rope_scaling or {}
+        kind = rope.get("rope_type", rope.get("type"))
+        factor = rope.get("factor")
+        if kind in _ROPE_UNSCALED or not isinstance(factor, (int, float)) or isinstance(factor, bool) \
+                or not math.isfinite(factor) or factor <= 0:
+            return self.max_position_embeddings
+        base = self.max_position_embeddings
+        if kind == "yarn" and isinstance(rope.get("original_max_position_embeddings"), int):
+            base = rope["original_max_position_embeddings"]
+        return int(base * factor)
+
+    def kv_heads_per_gpu(self, tp: int) -> int:
+        """KV heads each GPU holds at tensor parallelism ``tp``: ``max(1, kv_heads // tp)`` (vLLM
+        ``ModelConfig.get_num_kv_heads``; at ``tp > kv_heads`` the heads are replicated)."""
+        return max(1, self.num_key_value_heads // tp)
+
+    def kv_bytes_per_token_per_gpu(self, tp: int) -> float:
+        """KV-cache bytes of one token on each GPU: ``kv_bytes_per_token / tp`` while ``tp`` divides the KV
+        heads, ``2 * L * 1 * head_dim * bytes`` once they are replicated."""
+        if tp <= self.num_key_value_heads:
+            return self.kv_bytes_per_token / tp
+        return 2 * self.num_hidden_layers * self.kv_heads_per_gpu(tp) * self.head_width * self.dtype_bytes
+
+    def replicated_kv_params(self, tp: int) -> int:
+        """Parameters added over all GPUs by replicating K and V projections at ``tp > kv_heads``:
+        ``(tp / kv_heads - 1)`` extra copies of every layer's K and V weights (and biases); 0 otherwise.
+        vLLM ``QKVParallelLinear``: ``num_kv_head_replicas = tp_size / total_num_kv_heads``."""
+        if tp <= self.num_key_value_heads:
+            return 0
+        copies = tp // self.num_key_value_heads - 1
+        kv = 2 * self.hidden_size * self.kv_dim + (2 * self.kv_dim if self.attention_bias else 0)
+        return self.num_hidden_layers * kv * copies
 
     @property
     def head_width(self) -> int:
@@ -166,7 +230,7 @@ class ModelConfig(BaseModel):
 class GpuSpec(BaseModel):
     """One GPU's published numbers (``routerd/data/gpus.yaml`` or a user's YAML file)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str
     """GPU key, e.g. ``h100-80gb-sxm``."""
@@ -203,7 +267,7 @@ class Efficiency(BaseModel):
     (weighted least squares, relative error; ``python benchmarks/derive_check.py --fit``) and
     rounded to two digits; they are applied unchanged to every other model and GPU."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     mfu: float = Field(default=0.85, gt=0, le=1)
     """Model FLOP utilisation of the linear layers (prefill tokens, and decode past the roofline knee)."""
@@ -222,7 +286,7 @@ class Efficiency(BaseModel):
 class MemoryBudget(BaseModel):
     """What vLLM subtracts from ``gpu_memory_utilization * memory`` before the KV cache."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     non_torch_gib_tp1: float = Field(default=1.79, ge=0)
     """Memory outside PyTorch's allocator at TP 1 (CUDA context, cuBLAS workspaces), GiB: vLLM's memory
@@ -241,7 +305,7 @@ class MemoryBudget(BaseModel):
 class DeriveOptions(BaseModel):
     """The command's choices (flags of ``phasewise profile --derive``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str | None = None
     """Profile name; None gives ``<model>-<gpu>``."""
@@ -300,14 +364,28 @@ def derive_profile(model: ModelConfig, gpu: GpuSpec, options: DeriveOptions = De
     """The hardware profile of ``model`` served by vLLM on ``gpu`` (formulas in the module docstring).
 
     Raises:
-        DeriveError: ``tensor_parallel`` does not divide the heads; the weights do not fit; or the
-            KV capacity cannot hold one request of ``max_model_len`` tokens (vLLM refuses to start then).
+        DeriveError: ``tensor_parallel`` does not divide the attention heads, or neither divides nor is a
+            multiple of the KV heads (vLLM ``verify_with_parallel_config`` and ``QKVParallelLinear``);
+            ``max_model_len`` above the model's limit (:attr:`ModelConfig.max_len_limit`); the weights do
+            not fit; or the KV capacity cannot hold one request of ``max_model_len`` tokens (vLLM refuses
+            to start in each case).
     """
     tp = options.tensor_parallel
-    for fld in ("num_attention_heads", "num_key_value_heads"):
-        if getattr(model, fld) % tp:
-            raise DeriveError(f"--tensor-parallel {tp}: does not divide {fld}={getattr(model, fld)} "
-                              f"of model {model.name!r}")
+    heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
+    if heads % tp:
+        raise DeriveError(f"--tensor-parallel {tp}: does not divide num_attention_heads={heads} "
+                          f"of model {model.name!r}")
+    if (kv_heads % tp) if tp <= kv_heads else (tp % kv_heads):
+        raise DeriveError(f"--tensor-parallel {tp}: neither divides nor is a multiple of num_key_value_heads="
+                          f"{kv_heads} of model {model.name!r} (vLLM splits or replicates whole KV heads)")
+    limit = model.max_len_limit
+    if options.max_model_len and options.max_model_len > limit:
+        derived = ("max_position_embeddings" if limit == model.max_position_embeddings
+                   else "max_position_embeddings x rope_scaling")
+        raise DeriveError(f"--max-model-len {options.max_model_len}: above the model's {derived}={limit} "
+                          f"({model.config_file or model.name}); vLLM refuses it unless "
+                          "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set (positions past the trained length give NaN "
+                          "or out-of-bounds errors)")
     b = model.dtype_bytes
     bw = gpu.memory_bandwidth_gb_s * 1e9
     flops = gpu.dense_flops(model.torch_dtype)
@@ -321,8 +399,11 @@ def derive_profile(model: ModelConfig, gpu: GpuSpec, options: DeriveOptions = De
         seqs = min(seqs, batched)  # vLLM: every running decode must fit one step's budget
 
     # Memory (bytes, per GPU)
-    weights = model.param_count * b / tp
-    per_token_act = (2 * model.hidden_size + (3 * model.intermediate_size + model.q_dim + 2 * model.kv_dim) / tp) * b
+    replicated = model.replicated_kv_params(tp)  # 0 unless tp > kv_heads
+    weights = (model.param_count + replicated) * b / tp
+    # K and V outputs over all GPUs: 2*kv, or tp copies of one GPU's heads once they are replicated.
+    kv_out = 2 * (model.kv_dim if tp <= kv_heads else model.kv_heads_per_gpu(tp) * model.head_width * tp)
+    per_token_act = (2 * model.hidden_size + (3 * model.intermediate_size + model.q_dim + kv_out) / tp) * b
     activation = batched * per_token_act + memory.sampler_logit_copies * seqs * model.vocab_size * 4
     non_torch = (memory.non_torch_gib_tp1 if tp == 1 else memory.non_torch_gib_tp_multi) * GIB
     graphs = memory.cuda_graph_gib * GIB
@@ -335,7 +416,7 @@ def derive_profile(model: ModelConfig, gpu: GpuSpec, options: DeriveOptions = De
             f"{gpu.visible_memory_gib:g} GiB = {budget / GIB:.2f} GiB < weights {weights / GIB:.2f} GiB + "
             f"activations {activation / GIB:.2f} GiB + non-torch {(non_torch + graphs) / GIB:.2f} GiB "
             f"(raise --tensor-parallel or --gpu-memory-utilization)")
-    kv_per_token = model.kv_bytes_per_token / tp
+    kv_per_token = model.kv_bytes_per_token_per_gpu(tp)
     blocks = int(kv_bytes // (kv_per_token * options.block_size))
     capacity = blocks * options.block_size
     if capacity < -(-max_len // options.block_size) * options.block_size:
@@ -351,8 +432,9 @@ def derive_profile(model: ModelConfig, gpu: GpuSpec, options: DeriveOptions = De
 
     # Latency terms (s)
     t_w = weights / (bw * efficiency.mbu_weights)
-    t_prefill_token = 2 * model.matmul_params / tp / (flops * efficiency.mfu)
-    t_decode_token = 2 * (model.matmul_params + model.lm_head_params) / tp / (flops * efficiency.mfu)
+    matmul = model.matmul_params + replicated
+    t_prefill_token = 2 * matmul / tp / (flops * efficiency.mfu)
+    t_decode_token = 2 * (matmul + model.lm_head_params) / tp / (flops * efficiency.mfu)
     attn = 2 * model.num_hidden_layers * model.q_dim / tp / (flops * efficiency.attn_flops_eff)
     ctx = kv_per_token / (bw * efficiency.mbu_kv)
     per_seq = max(0.0, seqs * t_decode_token - t_w) / seqs
@@ -385,6 +467,10 @@ def derive_profile(model: ModelConfig, gpu: GpuSpec, options: DeriveOptions = De
         "grad2": "arXiv 2408.13510 §5.2 (3.3e-5), the mixing estimator's scale (routerd/estimator.py), kept",
         "decode_token_time_s": "the derived decode iteration at 32 requests x 1,024 context tokens",
     }
+    if model.is_float32:
+        sources["dtype"] = (f"torch_dtype {model.torch_dtype} checkpoint served in 16-bit (2 bytes per weight and "
+                            "KV value): vLLM dtype=auto downcasts float32 models (vllm/config/model.py "
+                            "_get_and_verify_dtype / _resolve_auto_dtype)")
     if gpu.visible_memory_gib != gpu.memory_gib:
         sources["visible_memory"] = gpu.sources.get("visible_memory_gib", "GPU spec visible_memory_gib")
     fields: dict[str, Any] = dict(
@@ -411,7 +497,7 @@ def derive_profile(model: ModelConfig, gpu: GpuSpec, options: DeriveOptions = De
     comments = {
         "overhead_s": (f"cpu {eff.cpu_overhead_s:g} s + weight read {weights / 1e9:.3f} GB / "
                        f"({gpu.memory_bandwidth_gb_s:g} GB/s x mbu_weights {eff.mbu_weights:g})"),
-        "prefill_per_token_s": (f"2 x {model.matmul_params / tp / 1e9:.4f}e9 layer params / ({fl:g} TFLOP/s x "
+        "prefill_per_token_s": (f"2 x {matmul / tp / 1e9:.4f}e9 layer params / ({fl:g} TFLOP/s x "
                                 f"mfu {eff.mfu:g})"),
         "prefill_attn_s": (f"2 x {model.num_hidden_layers} layers x {model.q_dim // tp} q dims / ({fl:g} TFLOP/s x "
                            f"attn_flops_eff {eff.attn_flops_eff:g})"),
@@ -463,6 +549,10 @@ def derive_command(model_arg: str, gpu_arg: str, options: DeriveOptions, output:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def _dtype_note(m: ModelConfig) -> str:
+    return f"{m.torch_dtype} checkpoint, served in 16-bit" if m.is_float32 else m.torch_dtype
+
+
 def profile_yaml(d: Derivation, command: str) -> str:
     """The derived profile as YAML: a header with ``command`` and the derivation, each field with its source.
 
@@ -473,7 +563,7 @@ def profile_yaml(d: Derivation, command: str) -> str:
         "# datasheet (not measured). Regenerate with:",
         f"#   {command}",
         "# Derivation and validation: docs/profiles.md; routerd/profiler/derive.py; benchmarks/derive_check.py.",
-        f"# Model: {n['params'] / 1e9:.3f}e9 parameters ({m.torch_dtype}), {m.num_hidden_layers} layers, hidden "
+        f"# Model: {n['params'] / 1e9:.3f}e9 parameters ({_dtype_note(m)}), {m.num_hidden_layers} layers, hidden "
         f"{m.hidden_size}, {m.num_attention_heads} heads / {m.num_key_value_heads} KV heads x {m.head_width}, "
         f"vocab {m.vocab_size};",
         f"#   KV {m.kv_bytes_per_token // 1024} KiB per token = 2 x {m.num_hidden_layers} x "
@@ -525,13 +615,21 @@ def _first_error(e: ValidationError, path: Path | str, prefix: str = "") -> Deri
     return DeriveError(f"{path}: field {prefix}{loc}: {what}")
 
 
+_LAYER_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "vocab_size")
+
+
 def load_model_config(name_or_path: str) -> ModelConfig:
     """A shipped model config by name, or a Hugging Face ``config.json`` by path.
 
     Raises:
-        DeriveError: unknown name (lists the shipped ones), unreadable or non-JSON file, a missing
-            or invalid field, an unknown ``torch_dtype``, or a mixture-of-experts config (one line
-            naming the file and field).
+        DeriveError: unknown name (lists the shipped ones), unreadable or non-JSON file, a missing,
+            invalid or non-finite field, an unknown ``torch_dtype``, or a config the derivation does not
+            model: layer fields nested under ``text_config`` (multimodal), mixture of experts, a
+            ``quantization_config``, or an enabled ``sliding_window`` (one line naming the file and field).
+
+    An absent or null ``num_key_value_heads`` means multi-head attention (``num_attention_heads``), as
+    transformers' ``LlamaConfig`` defaults it.
     """
     if _looks_like_path(name_or_path, (".json",)):
         path = Path(name_or_path)
@@ -554,18 +652,31 @@ def load_model_config(name_or_path: str) -> ModelConfig:
         raise DeriveError(f"{path}: a model config must be a JSON object of fields")
     if "torch_dtype" not in data and isinstance(data.get("dtype"), str):
         data["torch_dtype"] = data["dtype"]  # newer transformers write "dtype"
+    nested = data.get("text_config")
+    if isinstance(nested, dict) and any(k in nested for k in _LAYER_FIELDS):
+        raise DeriveError(f"{path}: field text_config: nested (multimodal) configs are not supported by --derive; "
+                          "give a text-only decoder's config.json")
     for moe in ("num_local_experts", "num_experts", "n_routed_experts"):
         if data.get(moe):
             raise DeriveError(f"{path}: field {moe}: mixture-of-experts models are not supported by the derivation")
+    if data.get("quantization_config") is not None:
+        # Weights, KV and kernels would all be sized wrongly at the 16-bit rate.
+        raise DeriveError(f"{path}: field quantization_config: quantized checkpoints are not supported by --derive")
+    if data.get("sliding_window") is not None and data.get("use_sliding_window", True) is not False:
+        # vLLM caps each layer's KV at the window, which the paged-capacity formula does not model.
+        # (Qwen2 writes sliding_window with use_sliding_window false; transformers then drops it.)
+        raise DeriveError(f"{path}: field sliding_window: sliding-window attention is not supported by --derive "
+                          f"(sliding_window={data['sliding_window']!r})")
     dtype = data.get("torch_dtype")
     if isinstance(dtype, str) and dtype not in DTYPE_BYTES:
         raise DeriveError(f"{path}: field torch_dtype: {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
-    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim"):
-        # Reject 4096.0 and "4096": a config with those is malformed, not a loose spelling.
+    for key in _LAYER_FIELDS + ("max_position_embeddings", "head_dim"):
+        # Reject 4096.0, "4096" and Infinity: a config with those is malformed, not a loose spelling.
         v = data.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
             raise DeriveError(f"{path}: field {key}: expected an integer, got {v!r}")
+    if data.get("num_key_value_heads") is None and "num_attention_heads" in data:
+        data["num_key_value_heads"] = data["num_attention_heads"]  # transformers: no GQA field means MHA
     try:
         model = ModelConfig.model_validate({**data, "name": name, "config_file": str(path)})
     except ValidationError as e:

@@ -76,22 +76,35 @@ class SimInstanceView:
     def pending_prefill_tokens(self) -> int:
         """Prompt tokens still to prefill here (tokens): waiting requests' lookups as the engine
         would do them now, plus the unfinished chunks of prefilling ones."""
+        return self.pending_prefill_work()[0]
+
+    def pending_prefill_work(self) -> tuple[int, int]:
+        """``(tokens, attended)`` still to prefill here: the tokens (as
+        :meth:`pending_prefill_tokens`) and the sum over requests of ``u * (c + u)`` for ``u``
+        tokens to compute after ``c`` cached or computed ones (tokens^2), the two terms of the
+        profile's prefill time (``routerd/profiles.py``)."""
         inst = self._inst
         pc = inst.pc
         bs = inst.bs
         total = 0
+        attended = 0
         for r in inst.waiting:
-            total += r.target
+            done = 0
             st = r.pst
             if st is not None:
                 hit = pc.match(st.ext)
                 cap = (r.target - 1) // bs
-                total -= bs * (hit if hit < cap else cap)
+                done = bs * (hit if hit < cap else cap)
+            u = r.target - done
+            total += u
+            attended += u * r.target
         if inst.n_prefill:
             for r in inst.running:
                 if r.state != DECODE:
-                    total += r.target - r.computed
-        return total
+                    u = r.target - r.computed
+                    total += u
+                    attended += u * r.target
+        return total, attended
 
     def residents(self) -> list[ResidentRequest]:
         """Running requests (admission order) then waiting ones, as the router sees them."""

@@ -258,8 +258,11 @@ class SimInstance:
         r.computed = 0
         r.target = r.prompt
         if self.pc is not None and r.prefix is not None and r.pst is None:
-            rid = r.response_id if r.response_id is not None else -(r.id + 1)
-            r.pst = PrefixState(sequence_extents(r.prefix, r.prompt, rid, r.output, self.bs))
+            ext = r.seq_ext
+            if ext is None:
+                rid = r.response_id if r.response_id is not None else -(r.id + 1)
+                ext = sequence_extents(r.prefix, r.prompt, rid, r.output, self.bs)
+            r.pst = PrefixState(ext)
         self.waiting.append(r)
         self.n_res += 1
         self.sum_pd += r.prompt + r.pred_tokens
@@ -421,8 +424,7 @@ class SimInstance:
                 r.blocks = need + hit
                 r.computed = done
                 if st is not None:
-                    pc.acquire(st, hit)
-                    pc.register(st, (done + n) // bs, self.free_blocks)
+                    pc.admit(st, hit, (done + n) // bs, self.free_blocks)
                 if pc is not None and r.cached_tokens < 0:
                     r.cached_tokens = done
                     self.prefix_hits += done

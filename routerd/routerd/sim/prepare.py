@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from routerd.model import PREDICTOR_BUCKET_EDGES, Request, bucket_mid_tokens, bucket_of
-from routerd.prefix.chain import prefix_blocks
+from routerd.prefix.chain import shared_extents, truncate
 from routerd.profiles import HardwareProfile
 from routerd.sim.request import SimRequest
 
@@ -82,6 +82,7 @@ def prepare_requests(
     rng = random.Random(seed)
     n_buckets = len(edges) + 1
     out: list[SimRequest] = []
+    with_prefix: list[tuple[SimRequest, tuple[tuple[int, int], ...]]] = []
     rejected: list[int] = []
     clipped = 0
     max_len = profile.max_model_len
@@ -116,7 +117,23 @@ def prepare_requests(
         pred = bucket_mid_tokens(b if b is not None else 0, edges)
         sr = SimRequest(q.id, q.arrival_s, q.prompt_tokens, output, b, pred, q.task)
         if q.prefix is not None:
-            sr.prefix = prefix_blocks(q.prefix, profile.block_size)
             sr.response_id = q.response_id
+            with_prefix.append((sr, q.prefix))
         out.append(sr)
+    if with_prefix:
+        _set_extents(with_prefix, profile.block_size)
     return Prepared(out, rejected, clipped)
+
+
+def _set_extents(items: list[tuple[SimRequest, tuple[tuple[int, int], ...]]], bs: int) -> None:
+    """Each request's prompt extents (``prefix``) and whole-sequence extents (``seq_ext``),
+    runs of units merged where the workload always traverses them whole
+    (:func:`routerd.prefix.chain.shared_extents`). The response is one more unit: its id, or
+    ``-(id + 1)`` (unique) when no later prompt resends it."""
+    seqs = []
+    for sr, units in items:
+        rid = sr.response_id if sr.response_id is not None else -(sr.id + 1)
+        seqs.append(tuple(units) + ((rid, sr.output),))
+    for (sr, _), ext in zip(items, shared_extents(seqs, bs)):
+        sr.seq_ext = ext
+        sr.prefix = truncate(ext, sr.prompt // bs)

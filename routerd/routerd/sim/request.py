@@ -23,7 +23,7 @@ class SimRequest:
         "dispatch_s", "scheduled_s", "first_token_s", "finish_s", "preemptions", "instance",
         "state", "generated", "computed", "target", "blocks", "dec_base", "gen_base",
         "finish_D", "epoch", "phase", "hist_bin", "inv_T", "w",
-        "prefix", "response_id", "pst", "cached_tokens",
+        "prefix", "response_id", "seq_ext", "pst", "cached_tokens",
     )
 
     def __init__(
@@ -70,6 +70,8 @@ class SimRequest:
         self.prefix = None
         #: Content id of the response (a later prompt may resend it); None: unique to this request.
         self.response_id: int | None = None
+        #: Extents of its whole sequence (prompt, then response), set with ``prefix``.
+        self.seq_ext = None
         #: Its place in the instance's prefix cache (routerd.prefix.cache.PrefixState), or None.
         self.pst = None
         #: Prompt tokens served from the prefix cache at its first admission (-1: not admitted yet).
