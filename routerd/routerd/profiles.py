@@ -200,6 +200,29 @@ def profile_names() -> list[str]:
     return sorted(p.stem for p in _profiles_dir().glob("*.yaml"))
 
 
+def read_yaml_mapping(path: Path, what: str, error: type[Exception]) -> dict:
+    """The mapping in YAML file ``path`` (a ``what``: "profile", "GPU spec").
+
+    Raises:
+        error: the file is missing or unreadable, not UTF-8, not YAML (with the line and
+            column) or not a mapping; one line naming the file.
+    """
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise error(f"{path}: cannot read {what}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise error(f"{path}: not UTF-8 text") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or "syntax error"
+        raise error(f"{path}: not valid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: a {what} must be a mapping of fields")
+    return data
+
+
 def load_profile_file(path: str | Path) -> HardwareProfile:
     """Load a profile from a YAML file.
 
@@ -207,19 +230,7 @@ def load_profile_file(path: str | Path) -> HardwareProfile:
         ProfileError: the file is missing, not YAML, or a field is invalid (named in the message).
     """
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ProfileError(f"{path}: cannot read profile: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ProfileError(f"{path}: not UTF-8 text") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or "syntax error"
-        raise ProfileError(f"{path}: not valid YAML{where}: {problem}") from None
-    if not isinstance(data, dict):
-        raise ProfileError(f"{path}: a profile must be a mapping of fields")
+    data = read_yaml_mapping(path, "profile", ProfileError)
     try:
         return HardwareProfile.model_validate(data)
     except ValidationError as e:

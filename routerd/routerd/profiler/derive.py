@@ -53,7 +53,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from routerd.errors import ConfigError
-from routerd.profiles import HardwareProfile
+from routerd.profiles import HardwareProfile, read_yaml_mapping
 
 GIB = 1024**3
 
@@ -691,19 +691,7 @@ def load_model_config(name_or_path: str) -> ModelConfig:
 
 
 def _read_gpu_table(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise DeriveError(f"{path}: cannot read GPU spec: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise DeriveError(f"{path}: not UTF-8 text") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise DeriveError(f"{path}: not valid YAML{where}") from None
-    if not isinstance(data, dict):
-        raise DeriveError(f"{path}: a GPU spec must be a mapping of fields")
-    return data
+    return read_yaml_mapping(path, "GPU spec", DeriveError)
 
 
 def load_gpu(name_or_path: str) -> GpuSpec:
