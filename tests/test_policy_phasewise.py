@@ -76,3 +76,15 @@ def test_approximate_source_learns_from_its_own_dispatches():
     # (the engine's own report, cached=0 here, is not used in approximate mode).
     first = p.pick(preq(160, P), cv(eng(0), eng(1)))
     assert all(p.pick(preq(160, P), cv(eng(0), eng(1))) == first for _ in range(5))
+
+
+def test_without_headroom_the_smaller_kv_deficit_wins():
+    # Neither fits. Instance 0 has the cache (need 14 - 8 = 6 blocks) but deficit
+    # 6 - (95 - 100) = 11 blocks; instance 1 no cache (need 14) but deficit 14 - (95 - 85) = 4.
+    # Costs with k = 1e-4 + 0.01 / 2048 (idle): 0: 32k + 4 * 11 * 16 k = 0.0772;
+    # 1: 160k + 4 * 4 * 16 k = 0.0436 -> 1. Without the preemption term 0 is cheaper (32k).
+    k = 1e-4 + 0.01 / 2048
+    assert 32 * k + 4 * 11 * 16 * k > 160 * k + 4 * 4 * 16 * k
+    v = cv(eng(0, cached=8, total=100, used=100), eng(1, total=100, used=85))
+    assert make("phasewise").pick(preq(160, P), v) == 1
+    assert make("phasewise", preemption_weight=0.0).pick(preq(160, P), v) == 0

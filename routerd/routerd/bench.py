@@ -501,13 +501,53 @@ class SloCapacity:
     """True when the SLO still held at ``saturated_rps``: ``rate_rps`` is then that
     throughput, a lower bound of the SLO limit the sample is too short to find (with a fixed
     number of requests a burst can drain within the limits; more requests are needed)."""
+    infeasible: bool = False
+    """True when the SLO failed even in the isolated run (every request alone on an idle
+    cluster, :func:`isolated_requests`): no arrival rate can meet it, so ``rate_rps`` is 0,
+    no rate was probed (``probes`` empty, ``saturated_rps`` and ``fail_rate_rps`` None) and
+    ``isolated`` holds the figures reached."""
+    isolated: Summary | None = None
+    """The isolated run (:func:`isolated_requests`), the best any rate can do on these
+    requests under this policy; None where not run."""
+
+    def violations(self, limits: dict[str, float]) -> dict[str, float]:
+        """The limited summary fields the isolated run exceeded: field -> value reached (s);
+        empty when not ``infeasible``."""
+        if not self.infeasible or self.isolated is None:
+            return {}
+        return {k: getattr(self.isolated, k) for k, v in limits.items() if getattr(self.isolated, k) > v}
 
     def as_dict(self) -> dict:
         """JSON-ready dict."""
         return {"policy": self.spec, "rate_rps": self.rate_rps, "fail_rate_rps": self.fail_rate_rps,
                 "saturated_rps": self.saturated_rps, "saturated": self.saturated,
+                "infeasible": self.infeasible,
                 "evaluations": len(self.probes), "probes": [list(p) for p in self.probes],
-                "summary": self.summary.as_dict() if self.summary else None}
+                "summary": self.summary.as_dict() if self.summary else None,
+                "isolated_summary": self.isolated.as_dict() if self.isolated else None}
+
+
+def isolated_requests(requests: Sequence[Request], profile: HardwareProfile,
+                      gap_s: float | None = None) -> list[Request]:
+    """``requests`` re-timed so that none overlaps another: in arrival order, request ``i``
+    arrives at ``i * gap_s`` (ids, token counts and prefixes unchanged).
+
+    ``gap_s`` defaults to twice the longest lone E2E
+    (:meth:`routerd.profiles.HardwareProfile.lone_request_time`, which ignores chunked
+    prefill, hence the margin); :func:`capacity_at_slo` checks the run and widens the gap if
+    some request still took longer than it. Returns a new list sorted by ``arrival_s``.
+
+    Raises:
+        ValueError: no requests, or ``gap_s`` not a finite number > 0.
+    """
+    if not requests:
+        raise ValueError("no requests to space out")
+    if gap_s is None:
+        gap_s = 2 * max(profile.lone_request_time(r.prompt_tokens, max(r.output_tokens, 1)) for r in requests)
+    if not (math.isfinite(gap_s) and gap_s > 0):
+        raise ValueError(f"gap_s must be a finite number of seconds > 0, got {gap_s!r}")
+    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    return [r.model_copy(update={"arrival_s": i * gap_s}) for i, r in enumerate(ordered)]
 
 
 def saturated_throughput(
@@ -554,7 +594,13 @@ def capacity_at_slo(
 ) -> SloCapacity:
     """The highest arrival rate (req/s) at which policy ``spec`` meets ``limits``.
 
-    The rate scales the workload's arrival times (:func:`routerd.workloads.traces.rescale_to_rate`,
+    First the requests are run isolated (:func:`isolated_requests`: each alone on an idle
+    cluster, the gap widened until every request finished before the next arrived): no
+    arrival rate can do better, so if the SLO fails there the search stops at once with
+    ``rate_rps`` 0 and ``infeasible=True`` (e.g. prompts whose own prefill exceeds a TTFT
+    limit; halving the rate would never help).
+
+    Otherwise the rate scales the workload's arrival times (:func:`routerd.workloads.traces.rescale_to_rate`,
     the shape of the arrival process kept), as loads relative to capacity are set
     (``docs/results.md``). A policy cannot sustain more than its own saturated throughput
     (:func:`saturated_throughput`), yet a fixed number of requests squeezed into a burst can
@@ -590,17 +636,33 @@ def capacity_at_slo(
     probes: list[tuple[float, bool]] = []
     at: dict[float, Summary] = {}
 
-    def ok(rate: float) -> bool:
+    def simulate(reqs: list[Request]):
         policy = build_policy_from_spec(spec, PolicyContext(profile, instances, seed=seed,
                                                             bucket_edges=PREDICTOR_BUCKET_EDGES))
-        run, _ = run_policy(profile, instances, policy, rescale_to_rate(list(requests), rate),
-                            prediction=prediction, seed=seed, action_interval_s=action_interval_s)
-        s = summarize(run)
+        run, _ = run_policy(profile, instances, policy, reqs, prediction=prediction, seed=seed,
+                            action_interval_s=action_interval_s)
+        return run
+
+    def ok(rate: float) -> bool:
+        s = summarize(simulate(rescale_to_rate(list(requests), rate)))
         met = meets_slo(s, limits)
         probes.append((rate, met))
         if met:
             at[rate] = s
         return met
+
+    alone = isolated_requests(requests, profile)
+    gap = alone[1].arrival_s if len(alone) > 1 else math.inf
+    while True:
+        iso_run = simulate(alone)
+        longest = max((r.finish_s - r.arrival_s for r in iso_run.requests), default=0.0)
+        if longest <= gap:  # every request finished before the next arrived: none overlapped
+            break
+        gap = 2 * longest  # E2E only grows with overlap, so at twice the longest seen none overlaps
+        alone = isolated_requests(requests, profile, gap)
+    iso = summarize(iso_run)
+    if not meets_slo(iso, limits):
+        return SloCapacity(spec, 0.0, None, None, probes, None, False, True, iso)
 
     sat = saturated_throughput(requests, profile, instances, spec, seed=seed, prediction=prediction,
                                action_interval_s=action_interval_s)
@@ -619,7 +681,7 @@ def capacity_at_slo(
                 break
             lo = r
         if hi is None and lo >= sat:
-            return SloCapacity(spec, lo, None, at[lo], probes, sat, True)
+            return SloCapacity(spec, lo, None, at[lo], probes, sat, True, isolated=iso)
     else:
         hi = r
         for _ in range(max_steps):
@@ -629,7 +691,7 @@ def capacity_at_slo(
                 break
             hi = r
     if lo is None:
-        return SloCapacity(spec, 0.0, hi, None, probes, sat)
+        return SloCapacity(spec, 0.0, hi, None, probes, sat, isolated=iso)
     if hi is not None:
         while hi / lo > 1 + tol:
             mid = math.sqrt(lo * hi)
@@ -637,7 +699,7 @@ def capacity_at_slo(
                 lo = mid
             else:
                 hi = mid
-    return SloCapacity(spec, lo, hi, at[lo], probes, sat)
+    return SloCapacity(spec, lo, hi, at[lo], probes, sat, isolated=iso)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,7 +162,8 @@ def format_capacity(caps: dict[str, list[SloCapacity]], limits: dict[str, float]
             delta = _iv_text(paired_interval([c.rate_rps for c in cs], [c.rate_rps for c in rr]))
         else:
             delta = "-"
-        mark = (" (sat)" if any(c.saturated for c in cs)
+        mark = (" (infeasible)" if any(c.infeasible for c in cs)
+                else " (sat)" if any(c.saturated for c in cs)
                 else " (>=)" if any(c.fail_rate_rps is None and c.rate_rps > 0 for c in cs) else "")
         rows.append([spec, f"{mean:.3f}" + mark, ratio, delta, str(sum(len(c.probes) for c in cs))])
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
@@ -180,9 +181,30 @@ def format_capacity(caps: dict[str, list[SloCapacity]], limits: dict[str, float]
                      f"limit" + (f" ({n} requests)" if n else "") + "; run more requests (-n or --limit)")
     if any(c.fail_rate_rps is None and c.rate_rps > 0 and not c.saturated for cs in caps.values() for c in cs):
         lines.append("(>=): the SLO still held at the highest rate probed")
-    if any(c.rate_rps == 0 for cs in caps.values() for c in cs):
+    if any(c.rate_rps == 0 and not c.infeasible for cs in caps.values() for c in cs):
         lines.append("0: the SLO failed even at the lowest rate probed")
+    for spec, cs in caps.items():
+        for seed, c in zip(seeds, cs):
+            if c.infeasible:
+                lines.append(f"(infeasible) {spec}" + (f", seed {seed}" if len(cs) > 1 else "") + ": "
+                             + infeasible_note(c, limits))
     return "\n".join(lines)
+
+
+def _metric_label(field: str) -> str:
+    """``"ttft_p90"`` -> ``"p90 TTFT"``, ``"e2e_mean"`` -> ``"mean E2E"``."""
+    metric, _, stat = field.partition("_")
+    return f"{stat} {metric.upper()}"
+
+
+def infeasible_note(cap: SloCapacity, limits: dict[str, float]) -> str:
+    """One line for an ``infeasible`` result: each limit the isolated run exceeded, with the
+    value reached, e.g. ``"p90 TTFT 2.89 s > 2 s even with every request alone: no rate meets
+    this SLO; raise the limit"``."""
+    over = cap.violations(limits)
+    what = ", ".join(f"{_metric_label(k)} {v:.3g} s > {limits[k]:g} s" for k, v in over.items())
+    return (f"{what} even with every request alone: no rate meets this SLO; "
+            f"raise the limit{'s' if len(over) > 1 else ''}")
 
 
 def write_requests_csv(benches: Sequence[BenchResult], path: str | Path) -> int:

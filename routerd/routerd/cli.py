@@ -41,7 +41,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                         + ",".join(DEFAULT_BENCH_POLICIES))
     p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s); traces are rescaled")
     p.add_argument("--limit", type=int, default=None, help="first N requests of a trace")
-    p.add_argument("-n", type=int, default=None, help="requests of a generated workload (public-mix, paper-mix)")
+    p.add_argument("-n", type=int, default=None, help="requests of a generated workload (public-mix, paper-mix, shared-prefix[:SPEC])")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prediction", default="true",
                    help="true (bucket of the true length) | noisy[:ACC] (right with probability ACC, default "

@@ -46,18 +46,22 @@ Approximations (each documented where it is made):
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from typing import Sequence
 
 
 class PrefixState:
     """One request's place in an instance's prefix cache (kept on the request, reset on release)."""
 
-    __slots__ = ("ext", "hold", "held", "reg", "ei", "eo", "priv")
+    __slots__ = ("ext", "share", "hold", "held", "reg", "ei", "eo", "priv")
 
-    def __init__(self, ext: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, ext: Sequence[tuple[int, int]], share: int = 1 << 62) -> None:
         self.ext = ext
         """Extents ``(hash, blocks)`` of the request's whole sequence (prompt, then response)."""
+        self.share = share
+        """Leading blocks that some other request of the workload may share; the rest are
+        cached only when the request leaves (nobody else can hit them before: see
+        :meth:`PrefixCache.register`)."""
         self.hold: list[list[int]] = []
         """``[hash, length]`` per extent the request holds a prefix of, in sequence order."""
         self.held = 0
@@ -89,8 +93,9 @@ class PrefixCache:
         self.holders: dict[int, dict[int, int]] = {}
         """Extent hash -> {held prefix length: requests holding it}."""
         self._runs_of: dict[int, list[list]] = {}
-        self._queue: "OrderedDict[int, list]" = OrderedDict()
-        self._next_run = 0
+        # Runs [h, lo, hi, alive] oldest first; a run a hit consumes is marked dead (alive = 0)
+        # and dropped when it reaches the head, so no operation searches the queue.
+        self._queue: deque[list] = deque()
         self.qsize = num_blocks
         """Blocks in the free queue as of the last sync."""
         self.cached_free = 0
@@ -120,12 +125,12 @@ class PrefixCache:
         self._add_run(run)
 
     def _add_run(self, run: list) -> None:
-        self._next_run += 1
-        run.append(self._next_run)
-        self._queue[self._next_run] = run
+        run.append(1)
+        self._queue.append(run)
 
     def _drop_run(self, run: list) -> None:
-        del self._queue[run[3]]
+        """Drop the head run (emptied by evictions)."""
+        self._queue.popleft()
         h = run[0]
         if h is not None:
             runs = self._runs_of[h]
@@ -149,7 +154,10 @@ class PrefixCache:
         """Pop ``n`` blocks from the queue head (``cached_free > 0``)."""
         q = self._queue
         while n > 0:
-            run = q[next(iter(q))]
+            run = q[0]
+            if not run[3]:
+                q.popleft()
+                continue
             h, lo, hi = run[0], run[1], run[2]
             t = hi - lo if hi - lo < n else n
             n -= t
@@ -281,7 +289,7 @@ class PrefixCache:
                 break
             if run[2] <= hi:
                 taken += run[2] - run[1]
-                del self._queue[run[3]]
+                run[3] = 0  # dead: dropped when it reaches the queue head
                 runs.pop()
             else:
                 taken += hi - run[1]
@@ -292,12 +300,17 @@ class PrefixCache:
         self.cached_free -= taken
         self.qsize -= taken
 
-    def register(self, st: PrefixState, upto: int, free: int) -> None:
+    def register(self, st: PrefixState, upto: int, free: int, final: bool = False) -> None:
         """The request's first ``upto`` blocks are full and allocated: cache the new ones.
 
         A block already cached by someone else is the request's private copy (not cached
-        twice); so is every later block of that extent.
+        twice); so is every later block of that extent. Blocks past ``st.share`` (no other
+        request of the workload has them) are cached only with ``final`` (when the request
+        leaves): until then no lookup or match can reach them, so the result is the same and
+        a long unique prompt costs one registration instead of one per chunk.
         """
+        if upto > st.share and not final:
+            upto = st.share
         left = upto - st.reg
         if left <= 0:
             return
@@ -430,4 +443,4 @@ class PrefixCache:
         for h in self.holders:
             assert h in self.cached and self.holders[h]
         if self.cached_free:
-            assert sum(r[2] - r[1] for r in self._queue.values()) == self.qsize
+            assert sum(r[2] - r[1] for r in self._queue if r[3]) == self.qsize

@@ -138,7 +138,7 @@ def matched_blocks(extents: Sequence[tuple[int, int]], cached: "dict[int, int]")
 
 def shared_extents(
     sequences: Sequence[Sequence[tuple[int, int]] | None], block_size: int, root: int = 0
-) -> list[tuple[tuple[int, int], ...] | None]:
+) -> list[tuple[tuple[tuple[int, int], ...], int] | None]:
     """Extents of many sequences at once, each run of units that every sequence passing
     through it traverses whole merged into one extent (a radix tree's edges).
 
@@ -154,7 +154,9 @@ def shared_extents(
         sequences: per request its units ``(unit id, tokens)`` (prompt then response), or None.
 
     Returns:
-        Per request its extents, or None where the sequence is None.
+        Per request ``(extents, shared blocks)``, or None where the sequence is None; the first
+        ``shared blocks`` blocks lie on units some other sequence also has (beyond them the
+        sequence is alone: pass counts only fall along a path).
     """
     # Trie of unit ids; pass counts per node.
     child: dict[tuple[int, int], int] = {}
@@ -185,6 +187,7 @@ def shared_extents(
         h = root
         pos = 0
         done = 0
+        shared = 0
         last = len(seq) - 1
         for i, (uid, n) in enumerate(seq):
             h = chain_hash(h, uid)
@@ -195,7 +198,9 @@ def shared_extents(
             if end_blocks > done:
                 ext.append((h, end_blocks - done))
                 done = end_blocks
-        out.append(tuple(ext))
+            if count[path[i]] > 1:
+                shared = done
+        out.append((tuple(ext), shared))
     return out
 
 

@@ -229,8 +229,9 @@ class SimInstance:
         st = r.pst
         if st is not None and kv_tokens // self.bs > st.reg:
             # Its full decode blocks are hashed as they fill; nobody can hit them before it
-            # leaves (only a later turn resends a response), so they are cached here at once.
-            pc.register(st, kv_tokens // self.bs, self.free_blocks)
+            # leaves (only a later turn resends a response), so they are cached here at once,
+            # with the blocks nobody else shares (PrefixCache.register).
+            pc.register(st, kv_tokens // self.bs, self.free_blocks, final=True)
         self.free_blocks += pc.release(st, blocks, self.free_blocks)
 
     def _preempt(self, victim: SimRequest) -> None:
@@ -241,7 +242,7 @@ class SimInstance:
             self._give_back(victim, freed, victim.prompt + victim.generated - 1)
         else:
             self.n_prefill -= 1
-            self._give_back(victim, freed, 0)
+            self._give_back(victim, freed, victim.computed)
         victim.blocks = 0
         victim.state = WAITING
         victim.computed = 0
@@ -258,11 +259,11 @@ class SimInstance:
         r.computed = 0
         r.target = r.prompt
         if self.pc is not None and r.prefix is not None and r.pst is None:
-            ext = r.seq_ext
-            if ext is None:
+            if r.seq_ext is not None:
+                r.pst = PrefixState(r.seq_ext, r.seq_share)
+            else:
                 rid = r.response_id if r.response_id is not None else -(r.id + 1)
-                ext = sequence_extents(r.prefix, r.prompt, rid, r.output, self.bs)
-            r.pst = PrefixState(ext)
+                r.pst = PrefixState(sequence_extents(r.prefix, r.prompt, rid, r.output, self.bs))
         self.waiting.append(r)
         self.n_res += 1
         self.sum_pd += r.prompt + r.pred_tokens
@@ -574,6 +575,7 @@ class SimInstance:
                 self.running.remove(r)
             elif r.state == PREFILL:
                 blocks = r.blocks
+                kv = r.computed
                 self.n_prefill -= 1
                 self.fT_static -= r.generated * r.w
                 self.running.remove(r)

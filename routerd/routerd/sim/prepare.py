@@ -134,6 +134,7 @@ def _set_extents(items: list[tuple[SimRequest, tuple[tuple[int, int], ...]]], bs
     for sr, units in items:
         rid = sr.response_id if sr.response_id is not None else -(sr.id + 1)
         seqs.append(tuple(units) + ((rid, sr.output),))
-    for (sr, _), ext in zip(items, shared_extents(seqs, bs)):
+    for (sr, _), (ext, shared) in zip(items, shared_extents(seqs, bs)):
         sr.seq_ext = ext
+        sr.seq_share = shared
         sr.prefix = truncate(ext, sr.prompt // bs)

@@ -23,7 +23,7 @@ class SimRequest:
         "dispatch_s", "scheduled_s", "first_token_s", "finish_s", "preemptions", "instance",
         "state", "generated", "computed", "target", "blocks", "dec_base", "gen_base",
         "finish_D", "epoch", "phase", "hist_bin", "inv_T", "w",
-        "prefix", "response_id", "seq_ext", "pst", "cached_tokens",
+        "prefix", "response_id", "seq_ext", "seq_share", "pst", "cached_tokens",
     )
 
     def __init__(
@@ -72,6 +72,8 @@ class SimRequest:
         self.response_id: int | None = None
         #: Extents of its whole sequence (prompt, then response), set with ``prefix``.
         self.seq_ext = None
+        #: Leading blocks of ``seq_ext`` that other requests of the workload share.
+        self.seq_share = 1 << 62
         #: Its place in the instance's prefix cache (routerd.prefix.cache.PrefixState), or None.
         self.pst = None
         #: Prompt tokens served from the prefix cache at its first admission (-1: not admitted yet).

@@ -182,7 +182,9 @@ def load_workload(
       ``SPEC`` is a preset (``default``, ``llmd-capacity``), optionally followed by
       ``,field=value`` overrides of
       :class:`~routerd.workloads.shared_prefix.SharedPrefixParams`, or only overrides:
-      ``shared-prefix:llmd-capacity``, ``shared-prefix:groups=8,jitter=0.1``.
+      ``shared-prefix:llmd-capacity``, ``shared-prefix:groups=8,jitter=0.1``. A comma in
+      place of the colon is read the same (``shared-prefix,groups=8`` =
+      ``shared-prefix:default,groups=8``).
     - a path ending in ``.csv`` (Azure format, no prefix identity) or ``.jsonl`` /
       ``.jsonl.gz`` (Mooncake format; prefix identity when its lines carry ``hash_ids``).
 
@@ -214,7 +216,9 @@ def load_workload(
         raise WorkloadError(f"rate must be a finite number of requests/s > 0 or None, got {rate!r}")
 
     is_path = name.lower().endswith(_TRACE_SUFFIXES)
-    if name == SHARED_PREFIX or name.startswith(SHARED_PREFIX + ":"):
+    # "shared-prefix,groups=4" (comma for colon) reads as "shared-prefix:groups=4": the
+    # comma form is a natural slip, and a preset first still works ("shared-prefix,llmd-capacity").
+    if name == SHARED_PREFIX or name.startswith((SHARED_PREFIX + ":", SHARED_PREFIX + ",")):
         preset, params, default_n = parse_shared_prefix_spec(name[len(SHARED_PREFIX) + 1:])
         count = default_n if n is None else n
         r = DEFAULT_RATE if rate is None else float(rate)
@@ -244,6 +248,12 @@ def load_workload(
         desc = f"{what}; {len(requests)} requests, Poisson arrivals at {r:g} req/s, seed {seed}"
         return Workload(name, requests, desc, r)
 
+    if not (name == "sample" or name in _TRACES or is_path):
+        raise WorkloadError(
+            f"unknown workload {name!r}; valid: {', '.join(sorted(WORKLOAD_NAMES))} "
+            f"(shared-prefix:PRESET[,field=value...] or shared-prefix:field=value[,...]), "
+            f"or a path to a .csv (Azure) / .jsonl / .jsonl.gz (Mooncake) trace"
+        )
     if n is not None:
         raise WorkloadError(
             f"n applies only to the generators ({', '.join(GENERATOR_NAMES)}); use limit for {name!r}"
@@ -265,15 +275,9 @@ def load_workload(
         else:
             requests = load_azure_csv(path, limit=limit)
         return _finish_trace(name, requests, what, rate=rate, limit=limit)
-    if is_path:
-        path = Path(name)
-        if name.lower().endswith(".csv"):
-            requests, what = load_azure_csv(path, limit=limit), f"Azure-format trace {path}"
-        else:
-            requests, what = load_mooncake_jsonl(path, limit=limit), f"Mooncake-format trace {path}"
-        return _finish_trace(name, requests, what, rate=rate, limit=limit)
-    raise WorkloadError(
-        f"unknown workload {name!r}; valid: {', '.join(sorted(WORKLOAD_NAMES))} "
-        f"(shared-prefix:PRESET[,field=value...]), "
-        f"or a path to a .csv (Azure) / .jsonl / .jsonl.gz (Mooncake) trace"
-    )
+    path = Path(name)
+    if name.lower().endswith(".csv"):
+        requests, what = load_azure_csv(path, limit=limit), f"Azure-format trace {path}"
+    else:
+        requests, what = load_mooncake_jsonl(path, limit=limit), f"Mooncake-format trace {path}"
+    return _finish_trace(name, requests, what, rate=rate, limit=limit)
