@@ -212,9 +212,76 @@ def test_looser_slo_never_gives_lower_capacity():
 
 
 def test_unreachable_slo_gives_zero():
-    # No request's TTFT can be under 1 µs: the SLO fails at every rate.
+    # No request's TTFT can be under 1 µs: the SLO fails even with every request alone, so
+    # no rate is probed (before, the rate was halved max_steps times first).
     cap = capacity_at_slo(_tiny(), get_profile(PROFILE), 2, "round_robin", {"ttft_p90": 1e-6}, max_steps=3)
-    assert cap.rate_rps == 0.0 and cap.summary is None and len(cap.probes) == 4
+    assert cap.rate_rps == 0.0 and cap.summary is None and cap.probes == []
+    assert cap.infeasible and cap.saturated_rps is None and cap.fail_rate_rps is None
+
+
+def _lone_ttft_p90():
+    """p90 TTFT of the simulated sample requests each alone: the prefill of the whole prompt
+    in one iteration (profile.prefill_time; these prompts fit one chunk), by hand."""
+    profile = get_profile(PROFILE)
+    fits = [r for r in _tiny() if r.prompt_tokens < profile.max_model_len]
+    assert max(r.prompt_tokens for r in fits) <= profile.max_num_batched_tokens  # one chunk each
+    return statistics.quantiles([profile.prefill_time(r.prompt_tokens) for r in fits], n=10,
+                                method="inclusive")[-1]
+
+
+def test_slo_infeasible_even_alone_stops_at_once_and_names_the_value():
+    # p90 TTFT alone is ~0.94 s here: 0.5 s cannot be met at any rate. Before, the search
+    # halved the rate 16 times and reported a bare 0.
+    profile, limits = get_profile(PROFILE), {"ttft_p90": 0.5, "tpot_p90": 0.08}
+    cap = capacity_at_slo(_tiny(), profile, 2, "round_robin", limits, tol=0.05)
+    lone = _lone_ttft_p90()
+    assert 0.5 < lone < 1.0
+    assert cap.infeasible and cap.rate_rps == 0.0 and cap.probes == [] and cap.summary is None
+    assert cap.isolated.ttft_p90 == pytest.approx(lone, rel=1e-9)
+    assert cap.violations(limits) == {"ttft_p90": pytest.approx(lone, rel=1e-9)}  # TPOT alone is within
+    d = cap.as_dict()
+    assert d["infeasible"] is True and d["rate_rps"] == 0.0 and d["evaluations"] == 0
+    assert d["isolated_summary"]["ttft_p90"] == pytest.approx(lone, rel=1e-9)
+
+
+def test_isolated_requests_do_not_overlap():
+    from routerd.bench import isolated_requests
+
+    profile, reqs = get_profile(PROFILE), _tiny()
+    alone = isolated_requests(reqs, profile)
+    gap = alone[1].arrival_s
+    lone = [profile.lone_request_time(r.prompt_tokens, r.output_tokens) for r in reqs]
+    assert gap == pytest.approx(2 * max(lone))
+    assert [r.arrival_s for r in alone] == pytest.approx([i * gap for i in range(len(reqs))])
+    assert [r.id for r in alone] == [r.id for r in reqs]
+    run = _simulate(alone, "round_robin", 0, m=2)
+    # Each request ran on an idle instance: its E2E is the lone-request formula's on the tokens
+    # simulated (outputs cut at max_model_len), and under the gap.
+    assert len(run.requests) > 30
+    for r in run.requests:
+        assert r.finish_s - r.arrival_s == pytest.approx(profile.lone_request_time(r.prompt, r.output), rel=1e-9)
+        assert r.finish_s - r.arrival_s < gap
+
+
+def test_feasible_slo_keeps_the_isolated_run_and_is_not_flagged():
+    cap = capacity_at_slo(_tiny(), get_profile(PROFILE), 2, "round_robin", {"ttft_p90": 1.0, "tpot_p90": 0.08},
+                          tol=0.05)
+    assert not cap.infeasible and cap.rate_rps > 0
+    assert cap.isolated.ttft_p90 == pytest.approx(_lone_ttft_p90(), rel=1e-9)
+    assert cap.violations({"ttft_p90": 1.0, "tpot_p90": 0.08}) == {}
+
+
+def test_capacity_cli_prints_an_infeasible_slo(tmp_path, capsys):
+    rc = main(["bench", "--limit", "40", "--instances", "2", "--policies", "round_robin,join_shortest_queue",
+               "--capacity-slo", "ttft_p90=0.5,tpot_p90=0.08", "--no-plot", "-o", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    note = (f"p90 TTFT {_lone_ttft_p90():.3g} s > 0.5 s even with every request alone: no rate meets this SLO; "
+            f"raise the limit")
+    assert f"(infeasible) round_robin: {note}" in out and f"(infeasible) join_shortest_queue: {note}" in out
+    assert "0.000 (infeasible)" in out and "failed even at the lowest rate probed" not in out
+    d = json.loads((tmp_path / "capacity.json").read_text())["results"]
+    assert all(r[0]["infeasible"] is True and r[0]["rate_rps"] == 0.0 and r[0]["probes"] == [] for r in d.values())
 
 
 def test_parse_slo():

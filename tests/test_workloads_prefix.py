@@ -344,6 +344,40 @@ def test_registry_shared_prefix():
     assert {r.prefix[0][0] for r in w.requests} == {0, 1}
 
 
+def test_registry_shared_prefix_comma_after_the_name_is_the_colon_form():
+    # "shared-prefix,groups=4" was "unknown workload" (and, with n, "n applies only to the generators").
+    w = load_workload("shared-prefix,groups=4", n=40, rate=5.0, seed=2)
+    base = SHARED_PREFIX_PRESETS["default"][0]
+    assert w.requests == shared_prefix(base.model_copy(update={"groups": 4}), 40, 5.0, 2)
+    assert w.requests == load_workload("shared-prefix:default,groups=4", n=40, rate=5.0, seed=2).requests
+    assert {r.prefix[0][0] for r in w.requests} == set(range(4))
+    assert load_workload("shared-prefix,llmd-capacity", limit=5).requests == \
+        load_workload("shared-prefix:llmd-capacity", limit=5).requests
+    with pytest.raises(WorkloadError, match="shared-prefix option 'colour' is not a parameter"):
+        load_workload("shared-prefix,colour=red")
+
+
+def test_unknown_workload_with_n_says_unknown_and_shows_the_shared_prefix_syntax():
+    for kw in ({}, {"n": 10}):
+        with pytest.raises(WorkloadError) as ei:
+            load_workload("shared-prefixx,groups=4", **kw)
+        msg = str(ei.value)
+        assert msg.startswith("unknown workload 'shared-prefixx,groups=4'; valid: ") and "\n" not in msg
+        assert "shared-prefix:PRESET[,field=value...] or shared-prefix:field=value" in msg
+    with pytest.raises(WorkloadError, match="n applies only to the generators .*shared-prefix"):
+        load_workload("sample", n=10)
+
+
+def test_bench_n_help_names_shared_prefix(capsys, monkeypatch):
+    from routerd.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")  # argparse wraps at hyphens otherwise
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "requests of a generated workload (public-mix, paper-mix, shared-prefix[:SPEC])" in out
+
+
 @pytest.mark.parametrize(("name", "words"), [
     ("shared-prefix:nope", "unknown shared-prefix preset 'nope'; valid: default, llmd-capacity"),
     ("shared-prefix:default,colour=red", "shared-prefix option 'colour' is not a parameter; valid: groups,"),

@@ -133,10 +133,17 @@ class PrefixCache:
         self._queue.popleft()
         h = run[0]
         if h is not None:
-            runs = self._runs_of[h]
-            runs.remove(run)
-            if not runs:
-                del self._runs_of[h]
+            self._unlink(h, run)
+
+    def _unlink(self, h: int, run: list) -> None:
+        """Remove ``run`` (by identity: lists compare by value) from the runs of ``h``."""
+        runs = self._runs_of[h]
+        if runs[0] is run:  # evictions take the oldest
+            del runs[0]
+        else:
+            del runs[next(i for i, r in enumerate(runs) if r is run)]
+        if not runs:
+            del self._runs_of[h]
 
     def _sync(self, free: int) -> None:
         """Pop the blocks allocated since the last call from the queue head (evicting hashes)."""
@@ -193,9 +200,7 @@ class PrefixCache:
                 # says eviction never makes a hole; this keeps the state consistent if it did.)
                 self.cached_free -= run[2] - run[1]
                 run[0] = None
-                self._runs_of[h].remove(run)
-                if not self._runs_of[h]:
-                    del self._runs_of[h]
+                self._unlink(h, run)
 
     # ------------------------------------------------------------------ requests
     def match(self, ext: Sequence[tuple[int, int]]) -> int:
