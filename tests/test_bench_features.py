@@ -216,7 +216,7 @@ def test_unreachable_slo_gives_zero():
     # no rate is probed (before, the rate was halved max_steps times first).
     cap = capacity_at_slo(_tiny(), get_profile(PROFILE), 2, "round_robin", {"ttft_p90": 1e-6}, max_steps=3)
     assert cap.rate_rps == 0.0 and cap.summary is None and cap.probes == []
-    assert cap.infeasible and cap.saturated_rps is None and cap.fail_rate_rps is None
+    assert cap.infeasible and cap.bound_rps is None and cap.fail_rate_rps is None
 
 
 def _lone_ttft_p90():
@@ -380,35 +380,33 @@ def test_plots_written(tmp_path, seeds):
     assert not (tmp_path / "o" / "bench.png").exists()
 
 
-# ------------------------------------------------------------------ capacity bounded by saturation
+# ------------------------------------------------------------------ capacity bounded by the sample
 
 
-def test_capacity_never_exceeds_the_policys_saturated_throughput():
-    # 40 requests and a loose SLO: even all 40 at once drain within it, so before the bound
+def test_capacity_never_exceeds_the_samples_steady_rate_bound():
+    # 40 requests and a loose SLO: even all 40 at once drain within it, so without a bound
     # the search doubled the rate 16 times (65,536x round robin's capacity).
-    from routerd.sim.capacity import FLOOD_RATE
+    from routerd.bench import STEADY_LIFETIMES, steady_rate_bound
 
     profile, reqs = get_profile(PROFILE), _tiny()
     limits = {"ttft_p90": 1000.0, "tpot_p90": 10.0}
     for spec in ("round_robin", "join_shortest_queue"):
-        sat = summarize(_simulate(rescale_to_rate(reqs, FLOOD_RATE), spec, 0, m=2)).throughput_rps
-        # finished requests / makespan, by hand from the flood run
-        flood = _simulate(rescale_to_rate(reqs, FLOOD_RATE), spec, 0, m=2)
-        fin = [r.finish_s for r in flood.requests]
-        assert sat == pytest.approx(len(fin) / (max(fin) - min(r.arrival_s for r in flood.requests)), rel=1e-9)
         cap = capacity_at_slo(reqs, profile, 2, spec, limits, tol=0.05)
-        assert cap.saturated and cap.fail_rate_rps is None
-        assert cap.saturated_rps == pytest.approx(sat) and cap.rate_rps == pytest.approx(sat)
-        assert max(rate for rate, _ in cap.probes) <= sat * (1 + 1e-12)
+        iso = cap.isolated
+        # requests / (4 lifetimes), by hand from the isolated run's p90 E2E
+        assert cap.bound_rps == pytest.approx(iso.requests / (STEADY_LIFETIMES * iso.e2e_p90))
+        assert cap.bound_rps == pytest.approx(steady_rate_bound(iso.requests, iso))
+        assert cap.at_bound and cap.fail_rate_rps is None and cap.rate_rps == pytest.approx(cap.bound_rps)
+        assert max(rate for rate, _ in cap.probes) <= cap.bound_rps * (1 + 1e-12)
         assert meets_slo(cap.summary, limits)
-        assert cap.as_dict()["saturated"] is True
+        assert cap.as_dict()["at_bound"] is True
 
 
-def test_capacity_below_saturation_is_not_flagged():
+def test_capacity_below_the_bound_is_not_flagged():
     cap = capacity_at_slo(_tiny(), get_profile(PROFILE), 2, "round_robin", {"ttft_p90": 1.0, "tpot_p90": 0.08},
                           tol=0.05)
-    assert not cap.saturated and cap.fail_rate_rps is not None
-    assert cap.rate_rps < cap.saturated_rps
+    assert not cap.at_bound and cap.fail_rate_rps is not None
+    assert cap.rate_rps < cap.bound_rps
 
 
 def test_capacity_cli_notes_a_sample_too_short(tmp_path, capsys):
@@ -417,11 +415,10 @@ def test_capacity_cli_notes_a_sample_too_short(tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     fits = sum(1 for r in _tiny() if r.prompt_tokens < get_profile(PROFILE).max_model_len)  # simulated ones
-    assert "(sat)" in out and f"the sample is too short to find the SLO limit ({fits} requests)" in out
+    assert "(bound)" in out and f"the sample is too short to find the SLO limit ({fits} requests)" in out
     assert "run more requests" in out and "(>=)" not in out
     r = json.loads((tmp_path / "capacity.json").read_text())["results"]["round_robin"][0]
-    assert r["saturated"] is True and r["rate_rps"] == r["saturated_rps"]
-    assert r["rate_rps"] == pytest.approx(round_robin_capacity(_tiny(), get_profile(PROFILE), 2))
+    assert r["at_bound"] is True and r["rate_rps"] == r["bound_rps"]
 
 
 # ------------------------------------------------------------------ --seeds on a short trace

@@ -163,7 +163,7 @@ def format_capacity(caps: dict[str, list[SloCapacity]], limits: dict[str, float]
         else:
             delta = "-"
         mark = (" (infeasible)" if any(c.infeasible for c in cs)
-                else " (sat)" if any(c.saturated for c in cs)
+                else " (bound)" if any(c.at_bound for c in cs)
                 else " (>=)" if any(c.fail_rate_rps is None and c.rate_rps > 0 for c in cs) else "")
         rows.append([spec, f"{mean:.3f}" + mark, ratio, delta, str(sum(len(c.probes) for c in cs))])
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
@@ -173,13 +173,13 @@ def format_capacity(caps: dict[str, list[SloCapacity]], limits: dict[str, float]
              "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
     for r in rows:
         lines.append("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))))
-    if any(c.saturated for cs in caps.values() for c in cs):
-        n = max((c.summary.requests for cs in caps.values() for c in cs if c.saturated and c.summary),
+    if any(c.at_bound for cs in caps.values() for c in cs):
+        n = max((c.summary.requests for cs in caps.values() for c in cs if c.at_bound and c.summary),
                 default=0)
-        lines.append("(sat): the SLO still held at the policy's own saturated throughput (requests offered all "
-                     "at once), so the value shown is that throughput: the sample is too short to find the SLO "
-                     f"limit" + (f" ({n} requests)" if n else "") + "; run more requests (-n or --limit)")
-    if any(c.fail_rate_rps is None and c.rate_rps > 0 and not c.saturated for cs in caps.values() for c in cs):
+        lines.append("(bound): the SLO still held at the highest rate the sample can measure (its arrivals "
+                     "spanning 4 request lifetimes), so the value shown is that rate: the sample is too short "
+                     "to find the SLO limit" + (f" ({n} requests)" if n else "") + "; run more requests (-n or --limit)")
+    if any(c.fail_rate_rps is None and c.rate_rps > 0 and not c.at_bound for cs in caps.values() for c in cs):
         lines.append("(>=): the SLO still held at the highest rate probed")
     if any(c.rate_rps == 0 and not c.infeasible for cs in caps.values() for c in cs):
         lines.append("0: the SLO failed even at the lowest rate probed")
