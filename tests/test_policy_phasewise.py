@@ -19,7 +19,7 @@ def eng(i, *residents, cached=0, pending=0, total=1000, used=None):
     return Eng(i, running, len(residents) - running, used, total, 16, tuple(residents), cached=cached, pending=pending)
 
 
-def cost(cached_blocks, pending, B, S, interference=0.25):
+def cost(cached_blocks, pending, B, S, interference=0.1):
     """The docstring's cost with decode_weight 0 (the default)."""
     t_dec = 0.01 + 1e-3 * B + 1e-6 * S
     k = 1e-4 + t_dec / 2048
@@ -29,9 +29,9 @@ def cost(cached_blocks, pending, B, S, interference=0.25):
 
 def test_costs_by_hand():
     # Instance 0: 8 of the 10 blocks cached, one decoding resident (100 prompt + 100 predicted:
-    # B = 1, S = 200): 32 * (1e-4 + 0.0112 / 2048) + 0.25 * 1 * 1e-4 * 32 = 4.175e-3 s.
+    # B = 1, S = 200): 32 * (1e-4 + 0.0112 / 2048) + 0.1 * 1 * 1e-4 * 32 = 3.695e-3 s.
     # Instance 1: nothing cached, idle: 160 * (1e-4 + 0.01 / 2048) = 0.016781 s.
-    assert cost(8, 0, 1, 200) == pytest.approx(32 * (1e-4 + 0.0112 / 2048) + 0.25 * 32e-4)
+    assert cost(8, 0, 1, 200) == pytest.approx(32 * (1e-4 + 0.0112 / 2048) + 0.1 * 32e-4)
     assert cost(8, 0, 1, 200) < cost(0, 0, 0, 0)
     p = make("phasewise")
     v = cv(eng(0, res(100, pred=100), cached=8), eng(1))

@@ -71,11 +71,13 @@ class Params(PolicyParams):
     prefix_source: PrefixSource = "precise"
     """Where cache hits come from: ``precise`` (the engines' KV events) or ``approximate``
     (the router's own dispatch history)."""
-    interference_weight: float = Field(default=0.25, ge=0.0)
+    interference_weight: float = Field(default=0.1, ge=0.0)
     """Weight of the delay the request's prefill adds to the requests decoding there
-    (seconds of theirs per second of its own latency). 0.25 from the training windows (seed 0
+    (seconds of theirs per second of its own latency). 0.1 from the training windows (seed 0
     of ``benchmarks/prefix_table.py``, 4 x ``llama3.1-8b-h100``): 1.0 cut Mooncake's mean E2E
-    most at 1.5x but doubled its p90 TTFT at 0.8x; 0 gave up the gain at 1.5x; see docs/prefix.md."""
+    most at 1.5x but doubled its p90 TTFT at 0.8x; 0 gave up the gain at 1.5x and the hit rate
+    on shared prefixes; 0.1 had the highest capacity at SLO of 0, 0.1 and 0.25 on both prefix
+    workloads. See docs/prefix.md."""
     decode_weight: float = Field(default=0.0, ge=0.0)
     """Weight of the request's own predicted decode time at the instance's batch. 0 by
     default: on the training windows 0.3 lowered the hit rate (0.74 -> 0.58 on
