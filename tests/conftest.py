@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from routerd.profiles import HardwareProfile
@@ -80,3 +82,16 @@ def split_checkpoint(folder, m: int, threshold: float, **metadata):
     w["l1.weight"][0, 1] = w["l2.weight"][0, 0] = w["l3.weight"][0, 0] = 1.0
     w["l3.bias"][0], w["l3.bias"][1] = 0.0, threshold
     return save_checkpoint(folder, w, {"variant": "baseline", "num_instances": m, **metadata})
+
+
+@pytest.fixture(scope="module")
+def data_dir() -> Path:
+    """The shared data directory (``../shared/data`` or ``PHASEWISE_DATA_DIR``); the test is
+    skipped without it."""
+    from routerd.workloads.errors import WorkloadError
+    from routerd.workloads.registry import resolve_data_dir
+
+    try:
+        return resolve_data_dir(needed_by="this test")
+    except WorkloadError as e:
+        pytest.skip(str(e))

@@ -7,7 +7,6 @@ import random
 
 import pytest
 
-from test_workloads_prefix import data_dir  # noqa: F401  (the shared-data fixture)
 from prefix_reference import infinite_cache_reuse
 from routerd.model import Request
 from routerd.policies.base import PolicyContext

@@ -42,14 +42,6 @@ from routerd.workloads import (
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
 
-@pytest.fixture(scope="module")
-def data_dir() -> Path:
-    try:
-        return resolve_data_dir(needed_by="this test")
-    except WorkloadError as e:
-        pytest.skip(str(e))
-
-
 def write(tmp_path: Path, name: str, text: str) -> Path:
     p = tmp_path / name
     p.write_text(text, encoding="utf-8")

@@ -33,14 +33,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from prefix_reference import infinite_cache_reuse, unit_reuse  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def data_dir() -> Path:
-    try:
-        return resolve_data_dir(needed_by="this test")
-    except WorkloadError as e:
-        pytest.skip(str(e))
-
-
 def jsonl(tmp_path: Path, rows, name: str = "m.jsonl") -> Path:
     p = tmp_path / name
     p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
