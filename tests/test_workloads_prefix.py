@@ -25,7 +25,6 @@ from routerd.workloads import (
     load_mooncake_jsonl,
     load_workload,
     mooncake_units,
-    resolve_data_dir,
     shared_prefix,
 )
 
