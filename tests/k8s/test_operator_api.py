@@ -317,7 +317,14 @@ def test_bad_content_is_degraded_not_a_crash_loop(k8s, kube, operator, namespace
     d = condition(p, "Degraded")
     assert d["reason"] == "InvalidSpec" and d["message"].startswith("spec.routing.params.reserve_fraction:")
     assert kube.get("apps/v1", "Deployment", namespace, "deg-engine") is None
-    rv = p["metadata"]["resourceVersion"]
+    # The handler's own writes (status, kopf's bookkeeping) may land after the condition: take
+    # the version once it stands still, then check that nothing retries the permanent error.
+    def settled():
+        a = pool(kube, namespace, "deg")["metadata"]["resourceVersion"]
+        time.sleep(1.5)
+        return a if pool(kube, namespace, "deg")["metadata"]["resourceVersion"] == a else None
+
+    rv = wait_for(settled, timeout=30.0, what="the pool's writes to settle")
     time.sleep(3)  # a permanent error is not retried: nothing rewrites the pool
     assert pool(kube, namespace, "deg")["metadata"]["resourceVersion"] == rv
     k8s.kubectl("patch", "-n", namespace, "llmrouterpool/deg", "--type=merge", "-p",
