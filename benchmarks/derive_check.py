@@ -16,22 +16,16 @@ Usage: python benchmarks/derive_check.py [--fit]
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+import sys
 
 import numpy as np
 
 from routerd.profiler.derive import (DEFAULT_EFFICIENCY, DeriveOptions, Efficiency, derive_profile, load_gpu,
                                      load_model_config)
 
-# (label, kind, x, context per request, published s) as in benchmarks/calibration.py
-VIDUR_A100_LLAMA2_7B = [
-    ("prefill 512 tokens", "prefill", 512, 0, 0.036),
-    ("prefill 2048 tokens", "prefill", 2048, 0, 0.161),
-    ("prefill 4096 tokens", "prefill", 4096, 0, 0.359),
-    ("decode batch 1 @ 128", "decode", 1, 128, 0.010),
-    ("decode batch 32 @ 1K context", "decode", 32, 1024, 0.020),
-    ("decode batch 64 @ 2K context", "decode", 64, 2048, 0.049),
-    ("decode batch 128 @ 2K context", "decode", 128, 2048, 0.091),
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from calibration import A100_POINTS as VIDUR_A100_LLAMA2_7B  # noqa: E402  (label, kind, x, context, published s)
 
 # (label, model, gpu, batch, context per request, published TPOT s, source)
 PUBLISHED_VLLM = [
