@@ -38,7 +38,7 @@ def model():
 
 def test_side_features_by_hand(model):
     X = model.features(["brief reply", "brief reply", "brief reply"], [0, 9, 9], ["toy:b", "toy:a", None]).toarray()
-    n_text = len(model.vectorizer.vocabulary_)
+    n_text = len(model.featurizer)
     side = X[:, n_text:]
     assert model.tasks == ["toy:a", "toy:b"]
     # columns: one-hot toy:a, toy:b | log1p(tokens) | toy:a x log1p, toy:b x log1p

@@ -11,12 +11,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from routerd.model import PREDICTOR_BUCKET_EDGES, Request
+from typing import TYPE_CHECKING
+
+from routerd.buckets import PREDICTOR_BUCKET_EDGES
 
 from .base import LengthPredictor, PredictorError, check_edges
 
+if TYPE_CHECKING:  # pydantic is slow to import; the predictor does not need it
+    from routerd.model import Request
+
 #: Predictor names that :func:`load_predictor` fits on the training split at load time.
 BASELINE_NAMES: tuple[str, ...] = ("majority", "task-prior", "length-only", "length+task")
+#: The spec of the shipped n-gram predictor (:func:`routerd.predictor.ngram_predictor.load_shipped`).
+DEFAULT_PREDICTOR = "default"
 
 
 def fit_baseline(
@@ -39,18 +46,31 @@ def fit_baseline(
     from routerd.workloads.errors import WorkloadError
 
     from . import data as D
-    from .evaluate import baselines
+    from .base import LengthOnlyPredictor, MajorityPredictor, TaskPriorPredictor
 
     if name not in BASELINE_NAMES:
         raise PredictorError(f"unknown baseline {name!r}; valid: {', '.join(BASELINE_NAMES)}")
     edges = check_edges(edges)
+    if name in ("length-only", "length+task"):
+        try:
+            import sklearn  # noqa: F401
+        except ImportError:
+            raise PredictorError(f"baseline {name!r} needs scikit-learn: pip install 'phasewise[predictor-train]' "
+                                 f"(or use {DEFAULT_PREDICTOR!r}, majority or task-prior)") from None
     try:
         rows = D.load_rows(data_dir, sources=sources, alpaca_model=alpaca_model)
     except WorkloadError as e:
         raise PredictorError(str(e)) from None
     tr = D.split_rows(rows, seed=seed, edges=edges)["train"]
-    labels = D.labels_of(rows, edges)
-    return baselines([rows[i] for i in tr], labels[tr], edges)[name]
+    labels = D.labels_of(rows, edges)[tr]
+    train_rows = [rows[i] for i in tr]
+    tasks = [r.task for r in train_rows]
+    if name == "majority":
+        return MajorityPredictor(edges).fit(labels)
+    if name == "task-prior":
+        return TaskPriorPredictor(edges).fit(tasks, labels)
+    return LengthOnlyPredictor(edges, use_task=name == "length+task").fit(
+        [r.prompt_tokens for r in train_rows], tasks, labels)
 
 
 def load_predictor(
@@ -63,6 +83,10 @@ def load_predictor(
 
     Specs:
 
+    - ``default``: the shipped n-gram predictor (numpy only; trained on permissively
+      licensed prompts, see ``docs/predictor.md``);
+    - a folder written by ``phasewise predictor train --kind ngram``: an n-gram
+      predictor (numpy only);
     - ``majority`` | ``task-prior`` | ``length-only`` | ``length+task``: a baseline
       fitted now on the training split of ``shared/data/prompts`` (``data_dir``, or the
       usual search), bucket edges ``edges`` (default 250, 1000, 4000);
@@ -75,22 +99,45 @@ def load_predictor(
             extra, bad metadata, or edges that differ from a saved model's.
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise PredictorError("predictor spec is empty; give a baseline name "
+        raise PredictorError(f"predictor spec is empty; give {DEFAULT_PREDICTOR!r}, a baseline name "
                              f"({', '.join(BASELINE_NAMES)}) or a folder saved by 'phasewise predictor train'")
     spec = spec.strip()
     if spec in BASELINE_NAMES:
         return fit_baseline(spec, data_dir=data_dir, edges=edges if edges is not None else PREDICTOR_BUCKET_EDGES)
-    path = Path(spec)
-    if not path.exists():
-        raise PredictorError(f"unknown predictor {spec!r}: not a baseline ({', '.join(BASELINE_NAMES)}) "
-                             "and no such folder")
-    from .hf import HFPredictor
+    if spec == DEFAULT_PREDICTOR:
+        from .ngram_predictor import load_shipped
 
-    pred = HFPredictor.load(path)
+        pred = load_shipped()
+    else:
+        pred = _load_folder(spec)
     if edges is not None and check_edges(edges) != pred.edges:
-        raise PredictorError(f"{path}: model trained with bucket edges {list(pred.edges)}, "
+        raise PredictorError(f"{spec}: model trained with bucket edges {list(pred.edges)}, "
                              f"but {list(edges)} were asked for")
     return pred
+
+
+def _load_folder(spec: str) -> LengthPredictor:
+    """The saved predictor in folder ``spec``: n-gram (numpy) or transformer, by its ``kind``."""
+    path = Path(spec)
+    if not path.exists():
+        raise PredictorError(f"unknown predictor {spec!r}: not {DEFAULT_PREDICTOR!r}, not a baseline "
+                             f"({', '.join(BASELINE_NAMES)}) and no such folder")
+    from .ngram_predictor import KIND, META_FILE, NgramPredictor
+
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        raise PredictorError(f"{path}: not a saved predictor (no {META_FILE})")
+    try:
+        import json
+
+        kind = json.loads(meta_path.read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError) as e:
+        raise PredictorError(f"{meta_path}: bad predictor metadata ({type(e).__name__}: {e})") from None
+    if kind == KIND:
+        return NgramPredictor.load(path)
+    from .hf import HFPredictor
+
+    return HFPredictor.load(path)
 
 
 def assign_predictions(

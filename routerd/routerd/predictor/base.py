@@ -26,7 +26,7 @@ from typing import Protocol, Union, runtime_checkable
 
 import numpy as np
 
-from routerd.model import PREDICTOR_BUCKET_EDGES
+from routerd.buckets import PREDICTOR_BUCKET_EDGES
 
 #: One request as a predictor sees it: (prompt text or bytes or None, prompt tokens, task or None).
 Item = tuple[Union[str, bytes, None], int, Union[str, None]]

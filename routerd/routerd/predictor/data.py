@@ -22,11 +22,37 @@ from pathlib import Path
 
 import numpy as np
 
-from routerd.model import PREDICTOR_BUCKET_EDGES, bucket_of
+from routerd.buckets import PREDICTOR_BUCKET_EDGES, bucket_of
 
 #: Prompt files (stems of ``prompts/<stem>.jsonl.gz``) whose licenses allow shipping
 #: a model trained on them (Apache-2.0, MIT).
 PERMISSIVE_SOURCES: tuple[str, ...] = ("arena_hard_answers", "gpteacher_gpt4")
+#: Licence of each prompt file (``shared/data/PROVENANCE.md`` §2); only the first two
+#: allow shipping a model trained on them.
+SOURCE_LICENSES: dict[str, str] = {
+    "arena_hard_answers": "Apache-2.0",
+    "gpteacher_gpt4": "MIT",
+    "sharegpt_v3_first_turn": "contested (research only, never shipped)",
+    "alpaca_eval_multimodel": "CC BY-NC 4.0 (non-commercial research only, never shipped)",
+}
+#: Prompt file of each dataset (the part of a task label before ``:``).
+_DATASET_SOURCES: dict[str, str] = {
+    "arena-hard": "arena_hard_answers",
+    "gpteacher": "gpteacher_gpt4",
+    "sharegpt": "sharegpt_v3_first_turn",
+    "alpaca_eval": "alpaca_eval_multimodel",
+}
+
+
+def source_of(dataset: str) -> str:
+    """The prompt file stem a dataset name comes from (``arena-hard-v2.0`` -> ``arena_hard_answers``),
+    or the dataset itself when unknown."""
+    for prefix, stem in _DATASET_SOURCES.items():
+        if dataset.startswith(prefix):
+            return stem
+    return dataset
+
+
 #: Default split fractions (train, validation, test).
 SPLIT_FRACTIONS: tuple[float, float, float] = (0.8, 0.1, 0.1)
 SPLITS: tuple[str, ...] = ("train", "val", "test")

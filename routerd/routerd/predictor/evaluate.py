@@ -75,15 +75,22 @@ def grouped(rows: Sequence, y_true: np.ndarray, y_pred: np.ndarray, n_buckets: i
 
 
 def baselines(train_rows: Sequence, train_labels: np.ndarray, edges: Sequence[int]) -> dict[str, object]:
-    """The four baseline predictors fitted on the training rows (see the module docstring)."""
+    """The baseline predictors fitted on the training rows (see the module docstring).
+
+    The two gradient-boosting baselines need scikit-learn; without it they are left out."""
     tasks = [r.task for r in train_rows]
     tokens = [r.prompt_tokens for r in train_rows]
-    return {
+    out: dict[str, object] = {
         "majority": MajorityPredictor(edges).fit(train_labels),
         "task-prior": TaskPriorPredictor(edges).fit(tasks, train_labels),
-        "length-only": LengthOnlyPredictor(edges, use_task=False).fit(tokens, tasks, train_labels),
-        "length+task": LengthOnlyPredictor(edges, use_task=True).fit(tokens, tasks, train_labels),
     }
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        return out
+    out["length-only"] = LengthOnlyPredictor(edges, use_task=False).fit(tokens, tasks, train_labels)
+    out["length+task"] = LengthOnlyPredictor(edges, use_task=True).fit(tokens, tasks, train_labels)
+    return out
 
 
 def evaluate(
@@ -111,11 +118,14 @@ def evaluate(
     meta: dict = {}
     pred = None
     if model_dir is not None:
-        from .hf import HFPredictor
+        from .assign import load_predictor
 
-        pred = HFPredictor.load(model_dir)
+        pred = load_predictor(str(model_dir))
         meta = pred.meta
     args = meta.get("args", {})
+    if getattr(pred, "kind", None) == "ngram":
+        # An n-gram model fitted on some files is measured on the whole default split.
+        args = {"seed": meta.get("training", {}).get("split_seed", 0)}
     edges = check_edges(edges if edges is not None else meta.get("edges", (250, 1000, 4000)))
     seed = seed if seed is not None else int(args.get("seed", 0))
     if rows is None:
@@ -135,7 +145,9 @@ def evaluate(
     report = {"split": split, "seed": seed, "edges": list(edges), "rows": len(idx),
               "bucket_counts": np.bincount(y, minlength=nb).tolist(), "results": results,
               "model": str(model_dir) if model_dir else None}
-    if pred is not None:
+    if getattr(pred, "kind", None) == "ngram":
+        _evaluate_ngram(pred, eval_rows, y, nb, batch, batch_size, results, report, progress)
+    elif pred is not None:
         served = pred.ngram_weight
         name = "transformer" if pred.ngram is None else f"transformer + n-gram (n-gram weight {served:g})"
         modes = [(f"{name}, no hint", "none", served)]
@@ -166,6 +178,38 @@ def evaluate(
     return report
 
 
+def _evaluate_ngram(pred, eval_rows, y, nb, batch, batch_size, results, report, progress) -> None:
+    """The n-gram predictor's rows: the true task, and without it under each hint mode."""
+    untasked = [(p, n, None) for p, n, _ in batch]
+    modes = [("n-gram, true task", "true", batch), ("n-gram, no task", "none", untasked)]
+    if pred.task_model is not None:
+        modes += [("n-gram, predicted task", "predicted", untasked),
+                  ("n-gram, task mixture", "mixture", untasked)]
+    saved = pred.hint
+    for label, mode, items in modes:
+        if progress:
+            progress(label)
+        pred.hint = mode
+        out: list[int] = []
+        for k in range(0, len(items), batch_size):
+            out.extend(pred.predict(items[k: k + batch_size]))
+        results[label + (" (served without a task)" if mode == pred.auto_missing else "")] = \
+            grouped(eval_rows, y, np.array(out), nb)
+    pred.hint = saved
+    if pred.task_model is not None:
+        guessed: list[str] = []
+        for k in range(0, len(batch), batch_size):
+            guessed.extend(pred.predict_tasks(batch[k: k + batch_size]))
+        ok = np.array([g == r.task for g, r in zip(guessed, eval_rows)])
+        known = np.array([r.task in pred.tasks for r in eval_rows])
+        report["task_accuracy"] = {
+            "overall": float(ok.mean()) if ok.size else 0.0,
+            "known_tasks": float(ok[known].mean()) if known.any() else 0.0,
+            "task": {t: float(ok[[r.task == t for r in eval_rows]].mean())
+                     for t in sorted({r.task for r in eval_rows})},
+        }
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
@@ -189,7 +233,8 @@ def format_report(report: dict) -> str:
             lines.append(f"| {g} | {res[names[0]][key][g]['n']} | " + " | ".join(cells) + " |")
     if "task_accuracy" in report:
         ta = report["task_accuracy"]
-        lines += ["", f"Task classifier accuracy: {_pct(ta['overall'])}% "
+        known = f" ({_pct(ta['known_tasks'])}% on the rows of tasks it knows)" if "known_tasks" in ta else ""
+        lines += ["", f"Task classifier accuracy: {_pct(ta['overall'])}%{known} "
                       f"(per task: {', '.join(f'{t} {_pct(a)}' for t, a in ta['task'].items())})"]
     lines += ["", "Confusion matrices (rows = true bucket, columns = predicted):", ""]
     for n in names:

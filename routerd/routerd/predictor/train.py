@@ -64,7 +64,7 @@ from pathlib import Path
 
 import numpy as np
 
-from routerd.model import PREDICTOR_BUCKET_EDGES
+from routerd.buckets import PREDICTOR_BUCKET_EDGES
 from routerd.predictor import data as D
 from routerd.predictor import hf as H
 from routerd.predictor.base import PredictorError, merge_sparse_buckets, parse_edges
@@ -131,6 +131,11 @@ class Args:
     """Cap on the n-gram model's training rows per task (None: the whole training split)."""
     skip_test: bool = False
     """Do not measure the test split at the end."""
+    kind: str = "transformer"
+    """'transformer' (this module: MiniLM + n-gram blend) or 'ngram' (the numpy-served n-gram
+    predictor of :mod:`routerd.predictor.train_ngram`, scikit-learn only)."""
+    name: str | None = None
+    """Model name saved in the metadata (default: the output folder's name)."""
     log: bool = True
     rows: list = field(default_factory=list, repr=False)
     """Rows to use instead of reading data_dir (tests); not saved."""
@@ -459,14 +464,14 @@ def fit_blend(args: Args, rows, train_split: np.ndarray, val_idx: np.ndarray, al
         ok = [th for th in SKIP_GRID if skip_acc[f"{th:.2f}"] >= acc[best]]
         skip = min(ok) if ok else None
     skipped = float((conf >= skip).mean()) if skip is not None else 0.0
-    log(args, f"n-gram model: {len(idx)} rows, {len(ng.vectorizer.vocabulary_)} terms, {fit_s:.0f} s; "
+    log(args, f"n-gram model: {len(idx)} rows, {len(ng.featurizer)} terms, {fit_s:.0f} s; "
               f"validation accuracy by n-gram weight {[round(a, 4) for a in acc.values()]}, chose {best}; "
               f"transformer skipped at n-gram confidence >= {skip} ({skipped:.1%} of validation)")
     return {"ngram": "ngram", "ngram_weight": best, "chosen_on": "validation accuracy, true task hint",
             "skip_transformer_above": skip, "val_skipped_share": skipped,
             "val_accuracy_by_skip_threshold": skip_acc,
             "val_accuracy_by_weight": {f"{w:.1f}": a for w, a in acc.items()}, "ngram_train_rows": len(idx),
-            "ngram_terms": len(ng.vectorizer.vocabulary_), "ngram_fit_seconds": round(fit_s, 1),
+            "ngram_terms": len(ng.featurizer), "ngram_fit_seconds": round(fit_s, 1),
             "ngram_settings": ng.settings}
 
 
@@ -474,6 +479,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The training options (shared with ``phasewise predictor train``)."""
     d = Args()
     p.add_argument("--out", "-o", required=True, help="output folder")
+    p.add_argument("--kind", choices=("transformer", "ngram"), default="transformer",
+                   help="transformer: MiniLM + n-gram blend (the 'predictor' extra: torch); ngram: the numpy-served "
+                        "n-gram predictor, like the shipped default (the 'predictor-train' extra: scikit-learn only)")
+    p.add_argument("--name", default=None, help="model name saved in its metadata (default: the folder name)")
     p.add_argument("--data-dir", default=None, help="shared data directory (../shared/data)")
     p.add_argument("--sources", default=None,
                    help="comma-separated prompt files (default all; 'permissive' = arena_hard_answers,gpteacher_gpt4)")
@@ -511,6 +520,7 @@ def args_from_namespace(ns: argparse.Namespace) -> Args:
     """Validated :class:`Args` from parsed options. Raises :class:`PredictorError`."""
     a = small_args(ns.out) if ns.small else Args(out=ns.out)
     a.data_dir = ns.data_dir
+    a.kind, a.name = ns.kind, ns.name
     if ns.sources:
         a.sources = list(D.PERMISSIVE_SOURCES) if ns.sources == "permissive" else \
             [s.strip() for s in ns.sources.split(",") if s.strip()]
