@@ -138,7 +138,7 @@ def test_bad_folders_name_the_file(tmp_path, model):
     cfg = json.loads(good)
     cfg["tasks"] = ["toy:a"]
     cfg_path.write_text(json.dumps(cfg))
-    with pytest.raises(PredictorError, match=f"{WEIGHTS_FILE}: n-gram weights have shape"):
+    with pytest.raises(PredictorError, match=f"{WEIGHTS_FILE}: 'coef' has shape"):
         NgramModel.load(tmp_path)
     cfg_path.write_text(good)
     w_path.write_bytes(b"\x00garbage")

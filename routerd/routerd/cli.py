@@ -45,9 +45,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prediction", default="true",
                    help="true (bucket of the true length) | noisy[:ACC] (right with probability ACC, default "
-                        "0.7915, the paper's accuracy) | predictor:SPEC (run a length predictor: majority, "
-                        "task-prior, length-only, length+task or a trained folder) | given (the workload's "
-                        "own predictions) | none")
+                        "0.7915, the paper's accuracy) | predictor:SPEC (run a length predictor once per "
+                        "request: predictor:default is the shipped n-gram predictor (numpy only); also majority, "
+                        "task-prior, length-only, length+task or a folder saved by 'phasewise predictor train'; "
+                        "on traces without prompt text it predicts from prompt length and task label alone) | "
+                        "given (the workload's own predictions) | none")
     p.add_argument("--action-interval", type=float, default=0.02, help="router tick while holding (s)")
     p.add_argument("--data-dir", default=None, help="folder with traces/ and prompts/ (../shared/data)")
     p.add_argument("--out", "-o", default="bench-out",
@@ -212,6 +214,26 @@ class _Outputs:
         return [str(p) for _, p in temps]
 
 
+def _textless_note(prediction: str, workload: str, textless: int, with_task: int, total: int) -> str:
+    """The note for ``--prediction predictor:SPEC`` on requests without prompt text (traces:
+    ``Request.prompt`` is None): what the predictor reads there instead. The baselines never read
+    text, so for them it only says so."""
+    from routerd.predictor import BASELINE_NAMES
+
+    spec = prediction.partition(":")[2].strip()
+    where = (f"workload {workload!r} has no prompt text" if textless == total else
+             f"{textless} of {total} requests of workload {workload!r} have no prompt text")
+    if spec in BASELINE_NAMES:
+        return f"{where}; {prediction} never reads prompt text, so this changes nothing for it"
+    if with_task == 0:
+        uses = "prompt length alone (the requests have no task label either)"
+    elif with_task == textless:
+        uses = "prompt length and task label alone"
+    else:
+        uses = "prompt length (and task label when present) alone"
+    return f"{where}; {prediction} predicts {'from' if textless == total else 'those from'} {uses}"
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     import math
 
@@ -263,6 +285,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from routerd.sim.prepare import parse_prediction
 
         parse_prediction(args.prediction)
+    elif args.study8:
+        raise UsageError(f"--study8 simulates its own 8 requests, which have no prompts to predict from; "
+                         f"--prediction {args.prediction} needs a workload (use true, noisy[:ACC] or none)")
     # Path("") is the current folder: an empty value is a mistake, not a request to write here.
     if not args.out.strip():
         raise UsageError("--out is empty; give a folder (default bench-out)")
@@ -301,6 +326,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     pred = None
     per_seed = []  # (seed, workload, requests, prediction mode)
     offered = rejected = 0
+    textless = textless_tasks = predicted = 0  # requests given to a predictor: without text, of which with a task
     for seed, wl in zip(seeds, wls):
         requests, prediction = wl.requests, args.prediction
         fitting = sum(1 for r in requests if r.prompt_tokens < profile.max_model_len)
@@ -317,13 +343,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             if pred is None:
                 pred = load_predictor(prediction.partition(":")[2], data_dir=args.data_dir,
                                       edges=PREDICTOR_BUCKET_EDGES)
+            bare = [r for r in requests if not r.prompt]
+            predicted += len(requests)
+            textless += len(bare)
+            textless_tasks += sum(1 for r in bare if r.task)
             requests = assign_predictions(requests, pred, edges=PREDICTOR_BUCKET_EDGES)
             prediction = "given"
         elif prediction == "given" and any(r.predicted_bucket is None for r in requests):
             raise UsageError(f"--prediction given: workload {wl.name!r} carries no predictions; "
-                             "use --prediction predictor:SPEC (majority, task-prior, length-only, "
+                             "use --prediction predictor:SPEC (default, majority, task-prior, length-only, "
                              "length+task or a trained model folder)")
         per_seed.append((seed, wl, requests, prediction))
+    if textless:
+        notes.append(_textless_note(args.prediction, wls[0].name, textless, textless_tasks, predicted))
     if rejected > REJECTED_NOTE_FRACTION * offered:
         # vLLM refuses such prompts; a silent count in the header hides that the bench ran on part of the trace.
         long_ctx = "llama3.1-8b-h100"

@@ -135,6 +135,8 @@ def _load_folder(spec: str) -> LengthPredictor:
         raise PredictorError(f"{meta_path}: bad predictor metadata ({type(e).__name__}: {e})") from None
     if kind == KIND:
         return NgramPredictor.load(path)
+    if kind != "hf":
+        raise PredictorError(f"{meta_path}: field 'kind' is {kind!r}, expected {KIND!r} or 'hf'")
     from .hf import HFPredictor
 
     return HFPredictor.load(path)

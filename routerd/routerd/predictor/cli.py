@@ -15,6 +15,12 @@ from pathlib import Path
 
 from .base import PredictorError
 
+#: ``--hint`` values: the n-gram modes (:data:`routerd.predictor.ngram_predictor.HINT_MODES`, kept
+#: literal so that building the parser imports no model code); transformer models take all but mixture.
+HINT_CHOICES: tuple[str, ...] = ("auto", "true", "predicted", "mixture", "none")
+#: Decimals of the printed probabilities (1e-4: finer than any calibration they carry).
+PROB_DECIMALS = 4
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``predictor`` with its ``train``, ``eval`` and ``predict`` subcommands."""
@@ -42,20 +48,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     e.add_argument("--edges", default=None, help="bucket edges for 'baselines' (default 250,1000,4000)")
     e.add_argument("--out", "-o", default=None, help="also write the report (.json or .md)")
 
-    r = sub.add_parser("predict", help="predict buckets for prompts",
-                       description="Predict output-length buckets. Input: --prompt TEXT, --prompt-file PATH "
-                                   "(raw bytes), or --input FILE.jsonl ('-' = stdin) with fields prompt, "
-                                   "prompt_tokens, task. Output: one JSON object per line.")
-    r.add_argument("model", help="a saved folder or a baseline: majority, task-prior, length-only, length+task")
+    r = sub.add_parser(
+        "predict", help="predict buckets for prompts (default: the shipped n-gram predictor)",
+        description="Predict output-length buckets. Input: --prompt TEXT, --prompt-file PATH (raw bytes), or "
+                    "--input FILE.jsonl ('-' = stdin) with fields prompt, prompt_tokens, task. Output: one JSON "
+                    "object per line: bucket, tokens (its range), probabilities (per class, keyed by token "
+                    "range; a model that merged the top buckets has an open last class such as '>=1000'), "
+                    "task, task_source (given / predicted / mixture / none) and task_probability, "
+                    "prompt_tokens, predictor.")
+    r.add_argument("model", nargs="?", default="default",
+                   help="'default' (the shipped n-gram predictor, numpy only; the default), a folder saved by "
+                        "'predictor train', or a baseline: majority, task-prior, length-only, length+task")
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose bytes are the prompt (any encoding; bad UTF-8 replaced)")
     src.add_argument("--input", help="JSON-lines file, '-' for stdin")
-    r.add_argument("--task", default=None, help="task label for --prompt/--prompt-file")
+    r.add_argument("--task", default=None,
+                   help="task label for --prompt/--prompt-file (a label the model does not know is ignored, "
+                        "with a note)")
     r.add_argument("--prompt-tokens", type=int, default=None,
                    help="prompt length in tokens (default: UTF-8 bytes / 4, rounded up, at least 1)")
-    r.add_argument("--hint", choices=("auto", "true", "predicted", "none"), default="auto",
-                   help="transformer only: which task hint to use (default auto)")
+    r.add_argument("--hint", choices=HINT_CHOICES, default="auto",
+                   help="task hint of a saved model: auto (the request's task when the model knows it, else "
+                        "the model's saved choice), true (the known task or none), predicted (the task "
+                        "classifier's guess), mixture (n-gram only: averaged over the task classifier's "
+                        "posterior), none. Transformer models take auto, true, predicted, none; baselines "
+                        "ignore it (default auto)")
     r.add_argument("--data-dir", default=None, help="shared data directory, for the baselines")
     return p
 
@@ -101,11 +119,85 @@ def _read_bytes(path: str) -> bytes:
 
 
 def _bucket_range(b: int, edges: tuple[int, ...]) -> str:
+    """Token range of bucket ``b`` under ``edges``: ``"0-249"``, ..., ``">=4000"``."""
     lo = 0 if b == 0 else edges[b - 1]
     return f"{lo}-{edges[b] - 1}" if b < len(edges) else f">={lo}"
 
 
+def class_ranges(edges: tuple[int, ...], classes: int) -> list[str]:
+    """Token range of each of a model's ``classes`` output classes.
+
+    Class ``c`` is bucket ``c``; when training merged the rare top buckets
+    (:func:`~routerd.predictor.base.merge_sparse_buckets`) the last class stands for
+    "that bucket or above", so its range is open: edges (250, 1000, 4000) with 3 classes
+    give ``["0-249", "250-999", ">=1000"]``.
+    """
+    out = [_bucket_range(c, edges) for c in range(classes)]
+    if 0 < classes <= len(edges):
+        out[-1] = f">={0 if classes == 1 else edges[classes - 2]}"
+    return out
+
+
+def _set_hint(pred, hint: str) -> str | None:
+    """Apply ``--hint`` to ``pred``; returns a note for a predictor that has no hint, else None.
+
+    Raises:
+        PredictorError: a mode the model does not take (mixture for a transformer;
+            predicted/mixture without a task classifier).
+    """
+    modes = getattr(type(pred), "HINT_MODES", None)
+    if not hasattr(pred, "hint"):
+        if hint == "auto":
+            return None
+        return f"--hint {hint} is ignored: {pred.name} has no hint modes (it uses the task label as given, if at all)"
+    if modes is not None and hint not in modes:
+        raise PredictorError(f"--hint {hint}: {pred.name} takes {', '.join(modes)}")
+    if hint == "predicted" and getattr(pred, "task_model", True) is None:
+        raise PredictorError(f"--hint predicted: {pred.name} has no task classifier")
+    pred.hint = hint  # the n-gram predictor's setter validates the mode itself
+    return None
+
+
+def _rows(pred, chunk: list[tuple]) -> list[dict]:
+    """One output object per item of ``chunk`` (see the ``predict`` description)."""
+    import numpy as np
+
+    if hasattr(pred, "explain"):
+        probs, info = pred.explain(chunk)
+    elif hasattr(pred, "predict_proba"):
+        probs, info = pred.predict_proba(chunk), None
+    else:
+        probs, info = None, None
+    if probs is None:
+        buckets = [int(b) for b in pred.predict(chunk)]
+        return [{"bucket": b, "tokens": _bucket_range(b, pred.edges), "task": task, "prompt_tokens": tokens,
+                 "predictor": pred.name} for (_, tokens, task), b in zip(chunk, buckets)]
+    probs = np.asarray(probs, dtype=np.float64)
+    if probs.ndim != 2 or probs.shape[0] != len(chunk) or probs.shape[1] < 1 or not np.isfinite(probs).all():
+        # A damaged model can pass the load checks and still compute NaN (e.g. an all-zero idf).
+        where = getattr(pred, "path", None) or pred.name
+        raise PredictorError(f"{where}: the model returned probabilities of shape {probs.shape} with non-finite "
+                             f"values or the wrong size for {len(chunk)} requests; its weights may be damaged")
+    ranges = class_ranges(pred.edges, probs.shape[1])
+    out = []
+    for i, (_, tokens, task) in enumerate(chunk):
+        b = int(probs[i].argmax())
+        row = {"bucket": b, "tokens": ranges[b],
+               "probabilities": {r: round(float(q), PROB_DECIMALS) for r, q in zip(ranges, probs[i])}}
+        if info is not None:
+            p = info[i]["task_probability"]
+            row.update(task=info[i]["task"], task_source=info[i]["task_source"],
+                       task_probability=None if p is None else round(float(p), PROB_DECIMALS))
+        else:
+            row["task"] = task
+        row.update(prompt_tokens=tokens, predictor=pred.name)
+        out.append(row)
+    return out
+
+
 def _cmd_predict(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from .assign import load_predictor
 
     if args.prompt_tokens is not None and args.prompt_tokens < 0:
@@ -117,14 +209,17 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         tokens = args.prompt_tokens if args.prompt_tokens is not None else estimate_tokens(prompt)
         items = [(prompt, tokens, args.task)]
     pred = load_predictor(args.model, data_dir=args.data_dir)
-    if hasattr(pred, "hint"):
-        pred.hint = args.hint
-    for k in range(0, len(items), 64):
-        chunk = items[k: k + 64]
-        buckets = pred.predict(chunk)
-        for (_, tokens, task), b in zip(chunk, buckets):
-            print(json.dumps({"bucket": b, "tokens": _bucket_range(b, pred.edges), "prompt_tokens": tokens,
-                              "task": task, "predictor": pred.name}))
+    note = _set_hint(pred, args.hint)
+    if note:
+        print(f"phasewise: note: {note}", file=sys.stderr)
+    # Every line is computed before the first is printed: an error leaves no partial output.
+    # Floating-point warnings are silenced: _rows refuses non-finite results with one line instead.
+    lines = []
+    with np.errstate(all="ignore"):
+        for k in range(0, len(items), 64):
+            lines += [json.dumps(row, allow_nan=False) for row in _rows(pred, items[k: k + 64])]
+    if lines:
+        sys.stdout.write("\n".join(lines) + "\n")
     unknown = getattr(pred, "unknown_tasks", 0)
     if unknown:
         print(f"phasewise: note: {unknown} request(s) had a task label the model does not know; "
@@ -137,7 +232,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import evaluate, format_report, save_report
 
     model = None if args.model == "baselines" else args.model
-    if model is not None and not Path(model).is_dir():
+    if model is not None and model != "default" and not Path(model).is_dir():
         raise PredictorError(f"{model}: no such model folder (or use 'baselines')")
     edges = parse_edges(args.edges) if args.edges else None
     report = evaluate(model, data_dir=args.data_dir, split=args.split, edges=edges,
@@ -152,7 +247,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train import args_from_namespace, train
 
-    out = train(args_from_namespace(args))
+    a = args_from_namespace(args)
+    if a.kind == "ngram":
+        from .train_ngram import train_ngram
+
+        out = train_ngram(a)
+        meta = json.loads((out / "predictor.json").read_text())
+        for split, m in meta["metrics"].items():
+            print(f"{split}: accuracy with true task {m['hint_true']:.4f}, without task "
+                  f"({meta['auto_missing']}) {m['hint_' + meta['auto_missing']]:.4f}"
+                  + (f", task classifier {m['task_accuracy_known']:.4f}" if "task_accuracy_known" in m else ""))
+        print(f"saved {out}")
+        return 0
+    out = train(a)
     meta = json.loads((out / "predictor.json").read_text())
     for split, m in meta["metrics"].items():
         print(f"{split}: accuracy with true hint {m['hint_true']['accuracy']:.4f}, "

@@ -86,6 +86,9 @@ class Featurizer:
         if self.idf.shape != (len(self.terms),) or len(self.index) != len(self.terms):
             raise PredictorError(f"idf has shape {self.idf.shape} for {len(self.terms)} terms "
                                  f"({len(self.index)} distinct)")
+        if self.idf.size and not (self.idf > 0).all():
+            # TF-IDF of a term with idf 0 gives 0/0 rows (NaN probabilities); scikit-learn's idf is >= 1.
+            raise PredictorError("idf holds zero or negative values (every idf is >= 1 when fitted)")
         if self.max_chars < 1:
             raise PredictorError(f"max_chars must be >= 1, got {self.max_chars}")
 
@@ -171,7 +174,7 @@ class NgramModel:
     """
 
     def __init__(self, featurizer: Featurizer, tasks: Sequence[str], coef: np.ndarray, intercept: np.ndarray,
-                 settings: dict | None = None):
+                 settings: dict | None = None, *, name: str = "coef"):
         self.featurizer = featurizer
         self.tasks = list(tasks)
         self._task_col = {t: i for i, t in enumerate(self.tasks)}
@@ -181,9 +184,13 @@ class NgramModel:
         self.settings = dict(settings or {})
         v, k = len(featurizer), len(self.tasks)
         expected = v + 2 * k + 1
-        if self.coef.ndim != 2 or self.coef.shape[1] != expected or self.intercept.shape != (self.classes,):
-            raise PredictorError(f"n-gram weights have shape {self.coef.shape} / {self.intercept.shape}; "
-                                 f"expected ({self.classes}, {expected}) for {v} terms and {k} tasks")
+        if self.coef.ndim != 2 or self.coef.shape[1] != expected:
+            raise PredictorError(f"'{name}' has shape {self.coef.shape}; expected ({self.classes}, {expected}) "
+                                 f"for {v} terms and {k} tasks")
+        if self.intercept.shape != (self.classes,):
+            iname = name.replace("coef", "intercept") if "coef" in name else "intercept"
+            raise PredictorError(f"'{iname}' has shape {self.intercept.shape}; expected ({self.classes},) "
+                                 f"for the {self.classes} classes of '{name}'")
         # Serving gathers one row per present term: (features, classes) keeps them contiguous.
         self._text_w = np.ascontiguousarray(self.coef[:, :v].T)
         self._task_w = np.ascontiguousarray(self.coef[:, v: v + k].T)

@@ -79,7 +79,7 @@ class NgramPredictor:
 
     def __init__(self, meta: dict, bucket: NgramModel, task: NgramModel | None, *, hint: str = "auto",
                  path: Path | None = None):
-        where = f"{path}: " if path is not None else ""
+        where = f"{path / META_FILE}: " if path is not None else ""
         self.path = path
         self.meta = meta
         self.edges = check_edges(meta["edges"])
@@ -88,8 +88,8 @@ class NgramPredictor:
         self.featurizer = bucket.featurizer
         self.tasks = list(bucket.tasks)
         if bucket.classes > len(self.edges) + 1:
-            raise PredictorError(f"{where}the bucket model has {bucket.classes} classes for "
-                                 f"{len(self.edges) + 1} buckets")
+            raise PredictorError(f"{where}field 'edges' gives {len(self.edges) + 1} buckets, but the bucket "
+                                 f"model has {bucket.classes} classes")
         if task is not None:
             if task.featurizer is not bucket.featurizer or task.tasks:
                 raise PredictorError(f"{where}the task classifier must share the vocabulary and ignore the task")
@@ -97,9 +97,14 @@ class NgramPredictor:
                 raise PredictorError(f"{where}the task classifier has {task.classes} classes, "
                                      f"the bucket model knows {len(self.tasks)} tasks")
         self.auto_missing = meta.get("auto_missing", "none")
-        if self.auto_missing not in MISSING_MODES or (self.auto_missing != "none" and task is None):
-            raise PredictorError(f"{where}auto_missing {self.auto_missing!r} must be one of "
-                                 f"{', '.join(MISSING_MODES)} ('none' without a task classifier)")
+        if self.auto_missing not in MISSING_MODES:
+            raise PredictorError(f"{where}field 'auto_missing' is {self.auto_missing!r}; valid: "
+                                 f"{', '.join(MISSING_MODES)}")
+        if self.auto_missing != "none" and task is None:
+            raise PredictorError(f"{where}field 'auto_missing' is {self.auto_missing!r}, which needs a task "
+                                 "classifier, but field 'task_classifier' is false")
+        if not isinstance(meta.get("name", "model"), str):
+            raise PredictorError(f"{where}field 'name' must be a string")
         self.hint = hint
         self.unknown_tasks = 0
         """Requests seen with a task label outside :attr:`tasks` (predicted as if it had none)."""
@@ -215,6 +220,8 @@ class NgramPredictor:
             tensors["task.intercept"] = self.task_model.intercept.astype(dtype)
         (folder / VOCAB_FILE).write_text(json.dumps(self.featurizer.terms, ensure_ascii=False), encoding="utf-8")
         save_file(tensors, str(folder / WEIGHTS_FILE))
+        # safetensors writes 0600; a model folder is read by other users (a service account, a container).
+        (folder / WEIGHTS_FILE).chmod(0o644)
         (folder / META_FILE).write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         return folder
 
@@ -259,8 +266,8 @@ class NgramPredictor:
         w = read_weights(w_path, names)
         try:
             feat = Featurizer(terms, w["idf"], meta["max_chars"])
-            bucket = NgramModel(feat, meta["tasks"], w["bucket.coef"], w["bucket.intercept"])
-            task = NgramModel(feat, [], w["task.coef"], w["task.intercept"]) if has_task else None
+            bucket = NgramModel(feat, meta["tasks"], w["bucket.coef"], w["bucket.intercept"], name="bucket.coef")
+            task = NgramModel(feat, [], w["task.coef"], w["task.intercept"], name="task.coef") if has_task else None
             if bucket.classes < 2:
                 raise PredictorError(f"bucket.coef has {bucket.classes} classes, at least 2 are needed")
         except PredictorError as e:
