@@ -18,9 +18,9 @@ What happens, in order:
 3. **Bucket model.** Logistic regression (C ``--ngram-c``) on TF-IDF, task one-hot,
    ``log1p(prompt_tokens)`` and task x ``log1p``; a ``--hint-dropout`` share of the rows
    is added again without its task so the model also serves requests without one.
-4. **Task classifier.** Logistic regression on the same TF-IDF and ``log1p(prompt_tokens)``
-   with the task as the class, on at most ``--task-max-per-task`` rows per task (so
-   7.5k chat rows do not drown 200 of a small task).
+4. **Task classifier.** Logistic regression (C ``--ngram-task-c``) on the same TF-IDF and
+   ``log1p(prompt_tokens)`` with the task as the class, on at most ``--task-max-per-task``
+   rows per task (so 7.5k chat rows do not drown 200 of a small task).
 5. **Save and reload** as served: float32 safetensors, then every figure below is
    measured on the reloaded model.
 6. **Choices on validation.** ``auto_missing`` (what ``auto`` does for a request
@@ -163,7 +163,8 @@ def train_ngram(args, *, rows: Sequence[D.Row] | None = None, train_datasets: se
         t_idx = D.cap_per_task(rows, train_idx, args.task_max_per_task, seed=args.seed)
         task_model = NgramModel.fit([rows[i].prompt for i in t_idx], [rows[i].prompt_tokens for i in t_idx],
                                     [None] * len(t_idx), [code[rows[i].task] for i in t_idx],
-                                    classes=len(bucket.tasks), C=args.ngram_c, featurizer=feat, use_task=False)
+                                    classes=len(bucket.tasks), C=args.ngram_task_c, featurizer=feat,
+                                    use_task=False)
         _log(args, f"task classifier: {len(t_idx)} rows, {time.perf_counter() - t0:.0f} s")
 
     # ---- 5. save and reload as served
@@ -204,7 +205,8 @@ def training_record(args, rows, train_idx, train_datasets, edges, n_classes, fea
         "edges": list(edges),
         "classes": n_classes,
         "terms": len(feat),
-        "settings": {"C": args.ngram_c, "max_features": args.ngram_max_features, "min_df": 2,
+        "settings": {"C": args.ngram_c, "task_C": args.ngram_task_c, "max_features": args.ngram_max_features,
+                     "min_df": 2,
                      "max_chars": feat.max_chars, "task_dropout": args.hint_dropout,
                      "task_max_per_task": args.task_max_per_task, "min_class_rows": args.min_class_rows},
     }

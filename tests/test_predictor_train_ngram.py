@@ -1,0 +1,84 @@
+"""``train_ngram`` on synthetic rows: what it fits on, its choices, its recorded figures."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from routerd.predictor import data as D
+from routerd.predictor.ngram_predictor import NgramPredictor
+from routerd.predictor.train import Args
+from routerd.predictor.train_ngram import evaluate_split, train_ngram
+
+WORDS = {"toy:short": "brief answer quick reply", "toy:long": "long essay with detail and depth",
+         "other:mixed": "explain the topic"}
+
+
+def _rows() -> list[D.Row]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for task, words in WORDS.items():
+        for i in range(90):
+            w = words.split()
+            text = " ".join(rng.choice(w, size=8)) + f" item{i % 7}"
+            if task == "toy:short":
+                out = 40
+            elif task == "toy:long":
+                out = 600
+            else:  # the label follows a word, not the task
+                long = i % 2 == 0
+                text += " elaborate" if long else " tersely"
+                out = 700 if long else 30
+            rows.append(D.Row(text, 20 + i % 5, out, task))
+    return rows
+
+
+def _args(tmp_path, **kw) -> Args:
+    a = Args(out=str(tmp_path / "m"), log=False, min_class_rows=5, task_max_per_task=1000)
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+def test_fits_only_the_named_datasets_and_records_it(tmp_path):
+    rows = _rows()
+    out = train_ngram(_args(tmp_path), rows=rows, train_datasets={"toy"})
+    pred = NgramPredictor.load(out)
+    assert pred.tasks == ["toy:long", "toy:short"]
+    tr = pred.meta["training"]
+    split = D.split_rows(rows, seed=0)
+    assert tr["rows"] == sum(rows[i].dataset == "toy" for i in split["train"])
+    assert tr["datasets"] == ["toy"]
+    # Validation and test stay the whole split, the other dataset included.
+    assert pred.meta["metrics"]["val"]["rows"] == len(split["val"])
+    assert set(pred.meta["metrics"]["test"]["dataset"]) == {"other", "toy"}
+
+
+def test_is_deterministic_and_its_figures_reproduce(tmp_path):
+    rows = _rows()
+    a = train_ngram(_args(tmp_path / "a"), rows=rows)
+    b = train_ngram(_args(tmp_path / "b"), rows=rows)
+    assert (a / "weights.safetensors").read_bytes() == (b / "weights.safetensors").read_bytes()
+    meta = json.loads((a / "predictor.json").read_text())
+    pred = NgramPredictor.load(a)
+    split = D.split_rows(rows, seed=0)
+    y = np.minimum(D.labels_of(rows), pred.bucket.classes - 1)
+    again = evaluate_split(pred, rows, split["val"], y)
+    for k in ("hint_true", "hint_none", "hint_predicted", "hint_mixture", "task_accuracy_known"):
+        assert again[k] == meta["metrics"]["val"][k]
+    # auto_missing is the best of the three on validation (ties to the cheapest).
+    best = max(("none", "mixture", "predicted"), key=lambda m: (again[f"hint_{m}"],
+                                                               -("none", "mixture", "predicted").index(m)))
+    assert meta["auto_missing"] == best == pred.auto_missing
+    # The toy tasks are separable by their words: the classifier and the true hint are exact there.
+    assert again["dataset"]["toy"]["hint_true"] == 1.0
+    assert again["task_accuracy_known"] > 0.9
+
+
+def test_refuses_too_few_rows(tmp_path):
+    from routerd.predictor.base import PredictorError
+
+    with pytest.raises(PredictorError, match="too few rows"):
+        train_ngram(_args(tmp_path), rows=_rows()[:3])
