@@ -13,7 +13,8 @@ Compares, on one split of the seeded stratified split (:func:`routerd.predictor.
   named ``transformer + n-gram (w=...)``, with two more rows under the true hint:
   ``transformer alone`` and ``n-gram alone``.
 
-Baselines are fitted on the whole training split; the transformer is evaluated as
+Baselines are fitted on the whole training split (for an n-gram model, on the training
+rows of the files it was fitted on, so both saw the same data); the transformer is evaluated as
 served (int8). "overall" weights every row equally; "task-balanced" is the mean of the
 per-task accuracies, i.e. what a workload drawing tasks uniformly (``public-mix``) sees.
 """
@@ -134,6 +135,10 @@ def evaluate(
     sp = D.split_rows(rows, seed=seed, edges=edges)
     labels = D.labels_of(rows, edges)
     tr = sp["train"]
+    if getattr(pred, "kind", None) == "ngram" and meta.get("training", {}).get("datasets"):
+        # Baselines see the same training files as the model (the shipped one: permissive files only).
+        seen = set(meta["training"]["datasets"])
+        tr = np.array([i for i in tr if rows[i].dataset in seen], dtype=np.int64)
     idx = sp[split]
     eval_rows = [rows[i] for i in idx]
     y = labels[idx]
