@@ -110,6 +110,9 @@ def test_example_pool_is_a_valid_emulated_pool():
     spec = parse_pool_spec(pool["spec"])
     check_pool(spec)
     assert spec.emulated and spec.engine.replicas == 2
+    assert pool["spec"]["predictor"] == {"name": "default"}  # the shipped length model
+    (off,) = by_kind(render("examplePool.enabled=true", "examplePool.predictor=none"), "LLMRouterPool")
+    assert off["spec"]["predictor"] == {"name": "none"}
     jsonschema = pytest.importorskip("jsonschema")
     crd = yaml.safe_load((REPO / "crds" / "llmrouterpools.yaml").read_text())
     jsonschema.Draft4Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]).validate(pool)

@@ -65,7 +65,7 @@ def test_generated_files_are_current(tmp_path):
 
 def test_enums_equal_routerd_registries():
     from routerd.policies.registry import POLICIES
-    from routerd.predictor.assign import BASELINE_NAMES
+    from routerd.predictor.assign import BASELINE_NAMES, DEFAULT_PREDICTOR
     from routerd.profiles import profile_names
     from routerd.rl.reward import REWARD_VARIANTS
 
@@ -75,7 +75,9 @@ def test_enums_equal_routerd_registries():
     assert "oracle" not in policies and "decode_balancer" not in policies and "dqn" in policies
     assert spec["hardwareProfile"]["properties"]["name"]["enum"] == profile_names()
     assert spec["hardwareProfile"]["properties"]["inline"]["properties"]["basedOn"]["enum"] == profile_names()
-    assert spec["predictor"]["properties"]["name"]["enum"] == list(BASELINE_NAMES)
+    assert spec["predictor"]["properties"]["name"]["enum"] == ["default", "none", *BASELINE_NAMES]
+    assert gen_crds.DEFAULT_PREDICTOR == DEFAULT_PREDICTOR  # the operator's default is routerd's
+    assert spec["predictor"]["default"] == {"name": DEFAULT_PREDICTOR}
     jspec = _root(JOB)["properties"]["spec"]["properties"]
     assert jspec["train"]["properties"]["variant"]["enum"] == list(REWARD_VARIANTS)
     assert jspec["task"]["enum"] == ["profile", "train"]
@@ -257,6 +259,7 @@ def test_schema_defaults_equal_model_defaults():
     assert defaulted["hardwareProfile"] == {"name": "llama2-7b-v100"}
     assert defaulted["routing"]["policy"] == "late_binding"
     assert defaulted["engine"]["replicas"] == 1 and defaulted["engine"]["port"] == 8000
+    assert defaulted["predictor"] == {"name": "default"}  # unset: routerd's shipped model
     model_dump = PoolSpec.model_validate({"model": {"name": "m"}}).model_dump(by_alias=True)
     _subset(defaulted, model_dump)
     job_schema = _root(JOB)["properties"]["spec"]
@@ -281,6 +284,8 @@ VALID_POOLS = {
                                                        "kvCapacityTokens": 30208, "basedOn": "llama2-7b-v100"}}},
     "dqn": {"model": {"name": "m"}, "routing": {"policy": "dqn", "checkpoint": {"configMap": "train-1-checkpoint"}}},
     "predictor": {"model": {"name": "m"}, "predictor": {"persistentVolumeClaim": {"claimName": "pred", "path": "v1"}}},
+    "predictor off": {"model": {"name": "m"}, "predictor": {"name": "none"}},
+    "predictor baseline": {"model": {"name": "m"}, "predictor": {"name": "task-prior"}},
 }
 
 INVALID_POOLS = {
@@ -303,6 +308,7 @@ INVALID_POOLS = {
     "queue limit zero": ({"model": {"name": "m"}, "routing": {"queueLimit": 0}}, "spec/routing/queueLimit"),
     "service type": ({"model": {"name": "m"}, "routerd": {"service": {"type": "ExternalName"}}},
                      "spec/routerd/service/type"),
+    "unknown predictor": ({"model": {"name": "m"}, "predictor": {"name": "oracle-bucket"}}, "spec/predictor/name"),
 }
 
 

@@ -115,3 +115,80 @@ def test_another_policy_by_flag_or_environment_drops_the_files_parameters(tmp_pa
     # The same policy keeps the file's parameters and takes the environment's on top.
     s = load_settings(p, environ={"PHASEWISE_POLICY__PARAMS__MAX_WAITING": "3"})
     assert s.policy.name == "late_binding" and dict(s.policy.params) == {"reserve_fraction": 0.2, "max_waiting": "3"}
+
+
+# ---------------------------------------------------------------- the length predictor setting
+
+def test_the_shipped_predictor_is_the_default_and_none_turns_it_off(tmp_path):
+    from routerd.model import PREDICTOR_BUCKET_EDGES
+    from routerd.predictor.assign import DEFAULT_PREDICTOR
+    from routerd.predictor.ngram_predictor import NgramPredictor
+
+    assert DEFAULT_PREDICTOR == "default"
+    # A file that never mentions the predictor gets the shipped one.
+    s = load_settings(write(tmp_path, "http: {port: 8001}\n"), environ={})
+    assert s.predictor == "default"
+    d = Daemon(s)
+    assert isinstance(d.predictor, NgramPredictor) and tuple(d.predictor.edges) == PREDICTOR_BUCKET_EDGES
+    assert d.router.bucket_edges == PREDICTOR_BUCKET_EDGES
+    assert d._predictor_blocking is False  # numpy: predicted on the event loop
+    # Off by file, environment variable or flag.
+    assert Daemon(load_settings(write(tmp_path, "predictor: none\n"), environ={})).predictor is None
+    s = load_settings(None, environ={"PHASEWISE_PREDICTOR": "none"})
+    assert s.predictor == "none" and Daemon(s).predictor is None
+    o, flags = cli.overrides_from_args(_args("--predictor", "none"))
+    assert o == {"predictor": "none"} and flags["predictor"] == "--predictor"
+    assert Daemon(load_settings(None, environ={}, overrides=o, override_flags=flags)).predictor is None
+
+
+def test_only_the_transformer_is_predicted_off_the_event_loop():
+    from routerd.predictor import MajorityPredictor
+    from routerd.predictor.ngram_predictor import load_shipped
+
+    hf_like = type("HFPredictor", (), {"__module__": "routerd.predictor.hf"})()
+    assert Daemon._is_blocking(hf_like) is True
+    assert Daemon._is_blocking(load_shipped()) is False
+    assert Daemon._is_blocking(MajorityPredictor((250, 1000, 4000))) is False
+    assert Daemon._is_blocking(None) is False
+
+
+@pytest.mark.parametrize("spec, package, extra", [
+    ("/models/minilm", "torch", "predictor"),
+    ("/models/minilm", "transformers", "predictor"),
+    ("length-only", "sklearn", "predictor-train"),
+    ("length+task", "sklearn.ensemble", "predictor-train"),
+    ("/models/other", "threadpoolctl", "predictor-train"),
+])
+def test_a_missing_package_names_the_extra_that_provides_it(monkeypatch, spec, package, extra):
+    import routerd.predictor
+    from routerd.daemon.app import load_length_predictor
+
+    def missing(_spec):
+        raise ModuleNotFoundError(f"No module named {package!r}", name=package)
+
+    monkeypatch.setattr(routerd.predictor, "load_predictor", missing)
+    with pytest.raises(ConfigError) as e:
+        load_length_predictor(spec)
+    assert str(e.value) == (f"predictor: {spec!r} needs the Python package {package!r}; "
+                            f"install the extra: pip install 'phasewise[{extra}]'")
+
+
+def test_missing_extras_through_the_real_loaders(monkeypatch, tmp_path):
+    """Without torch a transformer folder asks for [predictor]; without scikit-learn the
+    length baselines ask for [predictor-train]; the shipped default needs neither."""
+    import json
+    import sys
+
+    from routerd.daemon.app import load_length_predictor
+
+    folder = tmp_path / "minilm"
+    folder.mkdir()
+    (folder / "predictor.json").write_text(json.dumps({"kind": "hf", "edges": [250, 1000, 4000], "tasks": [],
+                                                       "max_length": 128}))
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    with pytest.raises(ConfigError, match=r"^predictor: .*torch.*pip install 'phasewise\[predictor\]'"):
+        load_length_predictor(str(folder))
+    with pytest.raises(ConfigError, match=r"^predictor: .*scikit-learn.*pip install 'phasewise\[predictor-train\]'"):
+        load_length_predictor("length-only")
+    assert load_length_predictor("default") is not None

@@ -34,7 +34,7 @@ class Api:
 
 def test_route_report_state_and_decisions():
     async def main():
-        async with Api() as a:
+        async with Api(predictor="none") as a:
             r1 = await a.stub.Route(router_pb2.RouteRequest(request_id="a", model="m", prompt="x" * 400))
             assert (r1.decision, r1.instance, r1.endpoint) == (RR.DISPATCH, "e0", "http://127.0.0.1:9")
             assert r1.policy == "round_robin" and not r1.fallback and r1.predicted_bucket == -1
@@ -70,6 +70,34 @@ def test_route_report_state_and_decisions():
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await a.stub.Route(router_pb2.RouteRequest(request_id="z", predicted_bucket=9))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    asyncio.run(main())
+
+
+def test_route_predicts_with_the_shipped_model_by_default():
+    """Settings without ``predictor``: Route answers, and ListDecisions records, the shipped
+    model's bucket for the prompt (a caller's own predicted_bucket still wins)."""
+    from routerd.predictor import load_predictor
+    from routerd.tokens import count_text_tokens
+
+    text = "Write a complete Python implementation of a web server with tests, docs and examples."
+    want = int(load_predictor("default").predict([(text, count_text_tokens(text), None)])[0])
+
+    async def main():
+        async with Api() as a:
+            assert a.d.settings.predictor == "default"
+            r = await a.stub.Route(router_pb2.RouteRequest(request_id="p", model="m", prompt=text))
+            assert r.decision == RR.DISPATCH and r.predicted_bucket == want >= 0
+            r2 = await a.stub.Route(router_pb2.RouteRequest(request_id="q", model="m", prompt=text, predicted_bucket=3))
+            assert r2.predicted_bucket == 3
+            dec = await a.stub.ListDecisions(router_pb2.ListDecisionsRequest(limit=5))
+            assert [(x.request_id, x.predicted_bucket) for x in dec.decisions] == [("q", 3), ("p", want)]
+            for rid in ("p", "q"):
+                await a.stub.ReportCompletion(router_pb2.CompletionReport(
+                    request_id=rid, status=router_pb2.CompletionReport.OK, generated_tokens=300))
+            assert sample(a.d, "phasewise_predicted_bucket_total", predicted=str(want), actual="1") == \
+                1 + (want == 3)
+            assert sample(a.d, "phasewise_predicted_bucket_total", predicted="none", actual="1") == 0
+            assert a.d.router.in_flight == 0
     asyncio.run(main())
 
 

@@ -70,7 +70,7 @@ async def _post(base: str, path: str, data: bytes, headers=None) -> tuple[int, d
 def test_completions_and_chat_stream_and_not_through_three_instances():
     async def main():
         backends = [FakeBackend(f"b{i}", default_tokens=6) for i in range(3)]
-        async with Cluster(backends) as c:
+        async with Cluster(backends, predictor="none") as c:
             r = await c.client.completions.create(model="m", prompt="hello there", max_tokens=5)
             assert r.choices[0].text == "t0 t1 t2 t3 t4 " and r.usage.completion_tokens == 5
             chunks = [ch async for ch in await c.client.completions.create(
@@ -598,5 +598,34 @@ def test_predictions_reach_the_policy_capped_by_max_tokens_and_are_scored():
             c.d.predictor = FixedPredictor(None)  # a failing predictor: no prediction, no failure
             r = await c.client.completions.create(model="m", prompt="p", max_tokens=1)
             assert r.choices[0].text == "t0 " and c.d.router.decisions[-1][4] is None
+            await _settle(c.d)
+    run(main())
+
+
+def test_routerd_without_a_predictor_setting_predicts_with_the_shipped_model():
+    """No ``predictor`` in the settings: each request gets the shipped n-gram model's bucket
+    (checked against the model loaded on its own), capped by max_tokens, and it is scored."""
+    from routerd.model import bucket_of
+    from routerd.predictor import load_predictor
+    from routerd.tokens import count_text_tokens
+
+    model = load_predictor("default")
+    # Bucket 0 and (for the model shipped when this was written) 1: the cap below then bites.
+    prompts = ["hi", "Write a complete Python implementation of a web server with tests, docs and examples."]
+
+    async def main():
+        async with Cluster([FakeBackend("b0", default_tokens=300)]) as c:
+            assert "predictor" not in c.d.settings.model_fields_set and c.d.settings.predictor == "default"
+            for text in prompts:  # no max_tokens: 300 tokens each (bucket 1)
+                await c.client.completions.create(model="m", prompt=text)
+            await c.client.completions.create(model="m", prompt=prompts[1], max_tokens=5)  # bucket 0
+            want = [int(model.predict([(t, count_text_tokens(t), None)])[0]) for t in prompts]
+            got = [d[4] for d in c.d.router.decisions]
+            assert got == [*want, min(want[1], bucket_of(5, model.edges))] and all(b is not None for b in got)
+            for actual, buckets in (("1", got[:2]), ("0", got[2:])):
+                for b in set(buckets):
+                    assert sample(c.d, "phasewise_predicted_bucket_total", predicted=str(b),
+                                  actual=actual) == buckets.count(b)
+                assert sample(c.d, "phasewise_predicted_bucket_total", predicted="none", actual=actual) == 0
             await _settle(c.d)
     run(main())

@@ -234,7 +234,7 @@ def test_configmap_is_what_routerd_accepts(tmp_path):
     assert (s.kubernetes.http_port_name, s.kubernetes.state_port_name) == ("http", "state")
     assert s.policy.name == "late_binding" and s.policy.params == {"reserve_fraction": 0.1}
     assert s.profile == "llama2-7b-a100"
-    assert s.predictor == "none"
+    assert s.predictor == "default"  # GPU_SPEC sets no predictor: routerd's shipped model
     assert (s.router.queue_limit, s.router.action_interval_s) == (256, 0.02)
     assert s.state.max_age_s == 2.0 and s.reload.watch is True
     # routerd builds the policy from it (the same call its reload makes)
@@ -326,6 +326,34 @@ def test_predictor_volume_and_path(tmp_path):
     assert "predictor: /var/lib/phasewise/predictor/minilm/v3\n" in kids[("ConfigMap", "chat-routerd")]["data"]["routerd.yaml"]
     s["predictor"] = {"name": "length-only"}
     assert "predictor: length-only\n" in _children(s)[("ConfigMap", "chat-routerd")]["data"]["routerd.yaml"]
+
+
+def _routerd_yaml(spec: dict) -> str:
+    return _children(spec)[("ConfigMap", "chat-routerd")]["data"]["routerd.yaml"]
+
+
+def test_the_shipped_predictor_is_on_unless_the_pool_says_none(tmp_path):
+    from routerd.daemon.app import load_length_predictor
+    from routerd.predictor.ngram_predictor import NgramPredictor
+
+    unset = copy.deepcopy(GPU_SPEC)
+    assert "predictor" not in unset
+    for spec in (unset, {**GPU_SPEC, "predictor": None}, {**GPU_SPEC, "predictor": {"name": "default"}}):
+        text = _routerd_yaml(spec)
+        assert "predictor: default\n" in text
+        deps = _children(spec)[("Deployment", "chat-routerd")]["spec"]["template"]["spec"]
+        assert all(v["name"] != "predictor" for v in deps["volumes"])  # shipped in the image: no volume
+        s = _settings_from_configmap({"data": {"routerd.yaml": text}}, tmp_path)
+        assert isinstance(load_length_predictor(s.predictor), NgramPredictor)  # what routerd then loads
+    off = _routerd_yaml({**GPU_SPEC, "predictor": {"name": "none"}})
+    assert "predictor: none\n" in off
+    s = _settings_from_configmap({"data": {"routerd.yaml": off}}, tmp_path)
+    assert load_length_predictor(s.predictor) is None
+    # Turning it off is a reload, not a restart: the routerd pod template does not change.
+    on_dep = _children(unset)[("Deployment", "chat-routerd")]
+    off_dep = _children({**GPU_SPEC, "predictor": {"name": "none"}})[("Deployment", "chat-routerd")]
+    assert on_dep["spec"]["template"]["metadata"]["annotations"][B.ANNOTATION_RESTART_HASH] == \
+        off_dep["spec"]["template"]["metadata"]["annotations"][B.ANNOTATION_RESTART_HASH]
 
 
 def test_sidecar_interval_keeps_state_fresh():

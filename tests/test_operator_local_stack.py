@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "operator"))
 
 from phasewise_operator import builders as B  # noqa: E402
 from phasewise_operator.settings import OperatorSettings  # noqa: E402
-from phasewise_operator.spec import check_pool, parse_pool_spec  # noqa: E402
+from phasewise_operator.spec import PredictorSpec, check_pool, parse_pool_spec  # noqa: E402
 
 openai = pytest.importorskip("openai")
 
@@ -206,15 +206,24 @@ def test_request_through_the_rendered_stack_and_reload(stack):
     check_requests(stack["url"], "llama-2-7b")
     metrics = _get(stack["url"] + "/metrics")[1]
     assert {e for e in re.findall(r'endpoint="([^"]+)"', metrics)} >= {"engine-0", "engine-1"}
+    # SPEC names no predictor: routerd runs the shipped model. Every request of check_requests
+    # asks for at most 8 tokens, so its prediction is capped to bucket 0 (a prediction, not "none").
+    assert _metric(metrics, "phasewise_predicted_bucket_total", predicted="0", actual="0") == 5
+    assert _metric(metrics, "phasewise_predicted_bucket_total", predicted="none") == 0
 
-    # The operator renders a policy change; the kubelet swaps the file; routerd reloads it.
+    # The operator renders a policy change and predictor none; the kubelet swaps the file;
+    # routerd reloads it.
     ps = stack["spec"].model_copy(update={"routing": stack["spec"].routing.model_copy(
-        update={"policy": "late_binding", "params": {"reserve_fraction": 0.1}})})
+        update={"policy": "late_binding", "params": {"reserve_fraction": 0.1}}),
+        "predictor": PredictorSpec(name="none")})
     time.sleep(1.1)  # a new modification time
     stack["mount"](B.routerd_configmap(POOL, ps))
     wait_reloaded(stack["url"])
     check_requests(stack["url"], "llama-2-7b")  # served right after the reload
     assert stack["routerd"].poll() is None  # the same process: reloaded, not restarted
+    metrics = _get(stack["url"] + "/metrics")[1]
+    assert _metric(metrics, "phasewise_predicted_bucket_total", predicted="none", actual="0") == 5
+    assert _metric(metrics, "phasewise_predicted_bucket_total", predicted="0", actual="0") == 5  # before only
 
 
 def test_profile_job_command_against_an_emulator_fits_the_pool_profile(tmp_path):

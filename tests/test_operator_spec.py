@@ -53,7 +53,8 @@ def test_missing_spec_and_model():
      "spec.hardwareProfile.inline.basedOn", "unknown profile 'nope'"),
     ({"hardwareProfile": {"inline": {"grad1": 1e-4, "grad2": 1e-5, "overheadS": 0, "kvCapacityTokens": 8200}}},
      "spec.hardwareProfile.inline.kvCapacityTokens", "not a multiple of blockSize=16"),
-    ({"predictor": {"name": "oracle-bucket"}}, "spec.predictor.name", "unknown predictor baseline"),
+    ({"predictor": {"name": "oracle-bucket"}}, "spec.predictor.name",
+     "unknown predictor 'oracle-bucket'; valid: default, none, majority, task-prior, length-only, length+task"),
     ({"emulated": True, "engine": {"resources": {"requests": {"nvidia.com/gpu": 1}}}},
      "spec.engine.resources", "must not request nvidia.com/gpu"),
     ({"emulated": True, "engine": {"args": ["--enforce-eager"]}}, "spec.engine.args", "emulated pool must not"),
@@ -78,6 +79,22 @@ def test_good_specs_pass_and_label_their_profile():
     check_pool(ps)
     assert profile_label(ps) == "inline(llama2-7b-a100)"
     assert ps.model.served == "m"
+
+
+def test_the_predictor_defaults_to_the_shipped_model_and_accepts_none_and_the_baselines():
+    from routerd.predictor.assign import BASELINE_NAMES, DEFAULT_PREDICTOR
+
+    ps = parse_pool_spec(M)
+    assert ps.predictor is not None and ps.predictor.name == DEFAULT_PREDICTOR == "default"
+    assert ps.predictor.persistent_volume_claim is None
+    check_pool(ps)
+    for name in ("default", "none", *BASELINE_NAMES):
+        ps = parse_pool_spec({**M, "predictor": {"name": name}})
+        check_pool(ps)
+        assert ps.predictor.name == name
+    with pytest.raises(SpecError) as e:  # a name and a volume: one or the other
+        parse_pool_spec({**M, "predictor": {"name": "none", "persistentVolumeClaim": {"claimName": "c"}}})
+    assert e.value.field == "spec.predictor"
 
 
 def test_job_spec():

@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from phasewise_operator.gen_crds import API_VERSION
+from phasewise_operator.gen_crds import API_VERSION, DEFAULT_PREDICTOR
 from phasewise_operator.settings import OperatorSettings
 from phasewise_operator.spec import PoolSpec, Resources, resolve_profile
 
@@ -190,7 +190,10 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
 
     Endpoints come from the EndpointSlices of the engine Service (ports ``http`` and
     ``state``); the profile is a shipped name or :data:`PROFILE_FILE`; policy ``dqn``
-    loads its checkpoint from :data:`CHECKPOINT_DIR`.
+    loads its checkpoint from :data:`CHECKPOINT_DIR`; the predictor is ``predictor.name``
+    (``none`` turns it off), the volume's folder under :data:`PREDICTOR_DIR`, or, when
+    ``spec.predictor`` is unset or null, :data:`~phasewise_operator.gen_crds.DEFAULT_PREDICTOR`
+    (the model shipped in the routerd image).
 
     Raises:
         SpecError: an unknown profile or an invalid inline profile (from :func:`resolve_profile`).
@@ -200,7 +203,7 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
     if spec.routing.policy == "dqn":
         params["checkpoint"] = CHECKPOINT_DIR
     if spec.predictor is None:
-        predictor = "none"
+        predictor = DEFAULT_PREDICTOR
     elif spec.predictor.name is not None:
         predictor = spec.predictor.name
     else:

@@ -1,6 +1,6 @@
 """The CustomResourceDefinitions of ``phasewise.io/v1alpha1``, generated from routerd's registries.
 
-The enums of policy names, shipped profile names, predictor baselines and DQN reward
+The enums of policy names, shipped profile names, predictor names and DQN reward
 variants come from routerd itself, so the API server rejects a name that routerd would
 reject. Write the YAML files (``crds/`` and the Helm chart's copy)::
 
@@ -34,6 +34,11 @@ DEFAULT_POLICY = "late_binding"
 """The default routing policy: the best mean E2E without a tail penalty in docs/results.md."""
 DEFAULT_PROFILE = "llama2-7b-v100"
 """The default hardware profile, as ``phasewise bench``."""
+DEFAULT_PREDICTOR = "default"
+"""The default length predictor: routerd's shipped n-gram model (numpy only, inside the
+routerd image), ``routerd.predictor.assign.DEFAULT_PREDICTOR``."""
+NO_PREDICTOR = "none"
+"""The predictor name that turns prediction off (routerd's ``predictor: none``)."""
 
 _QUANTITY = {
     # Kubernetes' Quantity pattern without the minus sign: no resource or size here may be negative
@@ -70,6 +75,12 @@ def predictor_baselines() -> list[str]:
     from routerd.predictor.assign import BASELINE_NAMES
 
     return list(BASELINE_NAMES)
+
+
+def predictor_names() -> list[str]:
+    """Names ``spec.predictor.name`` accepts: :data:`DEFAULT_PREDICTOR`, :data:`NO_PREDICTOR`
+    and the baselines, in that order."""
+    return [DEFAULT_PREDICTOR, NO_PREDICTOR, *predictor_baselines()]
 
 
 def reward_variants() -> list[str]:
@@ -282,14 +293,21 @@ def pool_spec_schema() -> dict[str, Any]:
               "policy dqn needs routing.checkpoint (a ConfigMap written by a train LLMRouterJob)",
               field_path=".checkpoint", reason="FieldValueRequired"),
     ]})
-    predictor = _o("Response-length predictor routerd uses for the decode bucket (default: none).", {
-        "name": _s("A predictor baseline fitted at routerd start.", enum=predictor_baselines()),
-        "persistentVolumeClaim": _o("A trained predictor folder (phasewise predictor train) on a volume.", {
+    predictor = _o("Response-length predictor routerd uses for the decode bucket (default: name "
+                   f"{DEFAULT_PREDICTOR}, the shipped n-gram model).", {
+        "name": _s(f"{DEFAULT_PREDICTOR}: the n-gram model shipped in the routerd image (numpy only); "
+                   f"{NO_PREDICTOR}: no prediction; or a baseline fitted at routerd start on the shared "
+                   "prompt data, which the routerd pod must then have (PHASEWISE_DATA_DIR); length-only and "
+                   "length+task also need a routerd image built with EXTRAS=predictor-train.",
+                   enum=predictor_names()),
+        "persistentVolumeClaim": _o("A folder saved by phasewise predictor train, on a volume: a --kind ngram "
+                                    "folder needs numpy only; a transformer folder needs a routerd image built "
+                                    "with EXTRAS=predictor.", {
             "claimName": _s("PersistentVolumeClaim name (ReadOnlyMany for several routerd replicas).",
                             minLength=1, maxLength=253, pattern=_DNS_SUBDOMAIN),
             "path": _s("Folder inside the volume.", maxLength=1024, pattern=r"^[^/].*$|^$", default=""),
         }, required=["claimName"]),
-    }, **{"x-kubernetes-validations": [
+    }, default={"name": DEFAULT_PREDICTOR}, **{"x-kubernetes-validations": [
         _rule("has(self.name) != has(self.persistentVolumeClaim)",
               "set exactly one of predictor.name or predictor.persistentVolumeClaim", reason="FieldValueInvalid"),
     ]})

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from phasewise_operator.gen_crds import DEFAULT_POLICY, DEFAULT_PROFILE
+from phasewise_operator.gen_crds import DEFAULT_POLICY, DEFAULT_PREDICTOR, DEFAULT_PROFILE
 
 Quantity = int | str
 
@@ -163,6 +163,8 @@ class PredictorVolume(_Spec):
 
 class PredictorSpec(_Spec):
     name: str | None = None
+    """``default`` (routerd's shipped n-gram model), ``none`` (no prediction) or a baseline
+    (``gen_crds.predictor_names``); exclusive with ``persistent_volume_claim``."""
     persistent_volume_claim: PredictorVolume | None = None
 
     @model_validator(mode="after")
@@ -200,7 +202,9 @@ class PoolSpec(_Spec):
     sidecar: SidecarSpec = Field(default_factory=SidecarSpec)
     hardware_profile: HardwareProfileRef = Field(default_factory=lambda: HardwareProfileRef(name=DEFAULT_PROFILE))
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
-    predictor: PredictorSpec | None = None
+    predictor: PredictorSpec | None = Field(default_factory=lambda: PredictorSpec(name=DEFAULT_PREDICTOR))
+    """Unset: routerd's shipped predictor (the CRD's default); None (an explicit null the API
+    server did not prune) means the same, see ``builders.routerd_settings``."""
     routerd: RouterdSpec = Field(default_factory=RouterdSpec)
     emulated: bool = False
     image_pull_secrets: list[SecretRef] = Field(default_factory=list)
@@ -325,7 +329,7 @@ def check_pool(spec: PoolSpec) -> None:
     """
     from routerd.policies.registry import POLICIES
 
-    from phasewise_operator.gen_crds import policy_names, predictor_baselines
+    from phasewise_operator.gen_crds import policy_names, predictor_names
 
     routing = spec.routing
     live = policy_names()
@@ -350,9 +354,9 @@ def check_pool(spec: PoolSpec) -> None:
                         f"{err['msg']} (policy {routing.policy} takes: {known})") from None
     resolve_profile(spec, pool_name="check")
     if spec.predictor is not None and spec.predictor.name is not None and \
-            spec.predictor.name not in predictor_baselines():
-        raise SpecError("spec.predictor.name", f"unknown predictor baseline {spec.predictor.name!r}; "
-                        f"valid: {', '.join(predictor_baselines())}")
+            spec.predictor.name not in predictor_names():
+        raise SpecError("spec.predictor.name", f"unknown predictor {spec.predictor.name!r}; "
+                        f"valid: {', '.join(predictor_names())}")
     if spec.emulated and spec.engine.resources.requests_gpu():
         raise SpecError("spec.engine.resources", "an emulated pool must not request nvidia.com/gpu")
     if spec.emulated and spec.engine.args:

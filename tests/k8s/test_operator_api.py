@@ -201,6 +201,7 @@ INVALID = [
     ("dqn without checkpoint", {"routing": {"policy": "dqn"}}, "spec.routing.checkpoint"),
     ("same ports", {"engine": {"port": 9000}, "sidecar": {"port": 9000}}, "spec.sidecar.port"),
     ("nodePort on ClusterIP", {"routerd": {"service": {"nodePort": 30001}}}, "spec.routerd.service.nodePort"),
+    ("unknown predictor", {"predictor": {"name": "oracle-bucket"}}, "spec.predictor.name"),
 ]
 
 
@@ -232,6 +233,9 @@ def test_defaults_are_filled_in_by_the_api_server(k8s, crds, kube, namespace):
     assert spec["hardwareProfile"] == {"name": "llama2-7b-v100"}
     assert spec["routing"]["policy"] == "late_binding" and spec["engine"]["replicas"] == 1
     assert spec["routerd"]["service"] == {"type": "ClusterIP", "port": 80}
+    assert spec["predictor"] == {"name": "default"}  # routerd's shipped length model
+    apply(k8s, namespace, pool_yaml("off", predictor={"name": "none"}))
+    assert pool(kube, namespace, "off")["spec"]["predictor"] == {"name": "none"}
 
 
 # ---------------------------------------------------------------- the operator

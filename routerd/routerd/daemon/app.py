@@ -45,19 +45,33 @@ def load_profile(spec: str):
         raise ConfigError(f"profile: {e}") from None
 
 
+#: Packages of the ``predictor-train`` extra (scikit-learn and what it imports); any other
+#: missing package of a predictor belongs to the ``predictor`` extra (torch, transformers).
+_TRAIN_EXTRA_PACKAGES = frozenset({"sklearn", "scipy", "joblib", "threadpoolctl"})
+
+
 def load_length_predictor(spec: str):
-    """The length predictor of ``spec``, or None for ``none``. Raises ConfigError naming the field."""
+    """The length predictor of ``spec`` (``Settings.predictor``), or None for ``none``.
+
+    Raises:
+        ConfigError: ``predictor: ...``, one line: an unknown spec, a broken folder, or a
+            missing package with the extra that provides it (``predictor-train`` for the
+            scikit-learn baselines ``length-only`` / ``length+task``, ``predictor`` for a
+            transformer folder).
+    """
     if spec.strip().lower() in ("", "none"):
         return None
-    from routerd.predictor import PredictorError, load_predictor
+    from routerd.predictor import BASELINE_NAMES, PredictorError, load_predictor
 
     try:
         return load_predictor(spec)
     except PredictorError as e:
         raise ConfigError(f"predictor: {e}") from None
     except ModuleNotFoundError as e:
+        top = (e.name or "").partition(".")[0]
+        extra = "predictor-train" if spec.strip() in BASELINE_NAMES or top in _TRAIN_EXTRA_PACKAGES else "predictor"
         raise ConfigError(f"predictor: {spec!r} needs the Python package {e.name!r}; "
-                          "install the extra: pip install 'phasewise[predictor]'") from None
+                          f"install the extra: pip install 'phasewise[{extra}]'") from None
 
 
 class _Built:
@@ -352,6 +366,9 @@ class Daemon:
     # -- per-request helpers -----------------------------------------------------
     @staticmethod
     def _is_blocking(predictor: Any) -> bool:
+        """Whether ``predictor.predict`` must run in a worker thread: only the transformer
+        (``routerd.predictor.hf``, milliseconds of torch per request). The shipped n-gram
+        model and the baselines are numpy and run on the event loop."""
         return predictor is not None and type(predictor).__module__.startswith("routerd.predictor.hf")
 
     async def predict(self, prompt: str | None, prompt_tokens: int, task: str | None,

@@ -30,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", action="append", metavar="NAME", help="a served model name, repeatable (models)")
     p.add_argument("--policy", metavar="SPEC", help="routing policy, name or name:key=value,... (policy)")
     p.add_argument("--profile", help="hardware profile name or YAML path (profile)")
-    p.add_argument("--predictor", help="length predictor: none, a baseline name or a model folder (predictor)")
+    p.add_argument("--predictor", metavar="SPEC",
+                   help="length predictor: default (the shipped n-gram model, the default), none, a baseline "
+                        "name or a folder saved by 'phasewise predictor train' (predictor)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level (log_level)")
 
 

@@ -210,10 +210,19 @@ class Settings(_Model):
     profile: str = "llama2-7b-v100"
     """Hardware profile (name or YAML path): KV blocks, max_num_seqs and decode speed the
     policies reason with."""
-    predictor: str = "none"
-    """Decode-length predictor: ``none`` (no prediction), a baseline name (``majority``,
-    ``task-prior``, ``length-only``, ``length+task``: fitted at start-up on the prompt data)
-    or a folder saved by ``phasewise predictor train``."""
+    predictor: str = "default"
+    """Decode-length predictor (``routerd.predictor.load_predictor``), loaded at start and on
+    each reload:
+
+    - ``default``: the shipped n-gram model (``routerd/data/predictor/default``; numpy only,
+      runs on the event loop);
+    - ``none``: no prediction (a request's bucket is None and its expected output is
+      bucket 0's midpoint, ``routerd.model.bucket_mid_tokens(0)`` = 125 tokens);
+    - a baseline name (``majority``, ``task-prior``, ``length-only``, ``length+task``): fitted
+      at start on the shared prompt data (``PHASEWISE_DATA_DIR`` or the usual search), which
+      must then be present; the last two need ``pip install 'phasewise[predictor-train]'``;
+    - a folder saved by ``phasewise predictor train``: ``--kind ngram`` folders need numpy
+      only, transformer folders ``pip install 'phasewise[predictor]'`` (run off the loop)."""
     router: RouterConfig = Field(default_factory=RouterConfig)
     state: StateConfig = Field(default_factory=StateConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
