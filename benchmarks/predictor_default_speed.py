@@ -19,7 +19,7 @@ one thread; import of the predictor on a core install <= 0.3 s; package size inc
 - ``size``: bytes of the shipped folder, raw and zip-deflated (as in a wheel).
 
 CPU is ``time.process_time`` of this process; BLAS/OpenMP threads are pinned to 1.
-Usage: python benchmarks/predictor_default_speed.py [--n 640] [--repeats 5] [--model DIR]
+Usage: python benchmarks/predictor_default_speed.py [--n 640] [--repeats 5] [--model DIR] [--predictor DIR]
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=640, help="held-out prompts (a multiple of 64)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", default=None, help="a trained transformer folder to time as served (needs torch)")
+    ap.add_argument("--predictor", default="default",
+                    help="the n-gram predictor to time: default (shipped) or a folder from 'train --kind ngram'")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--dataset", default=None, help="only this dataset's test prompts (e.g. sharegpt_v3_partial)")
     args = ap.parse_args()
@@ -113,7 +115,7 @@ def main() -> None:
 
     batch = prompts(args.n, args.data_dir, args.dataset)
     untasked = [(p, n, None) for p, n, _ in batch]
-    pred = load_predictor("default")
+    pred = load_predictor(args.predictor)
     print(f"{len(batch)} held-out test prompts{' of ' + args.dataset if args.dataset else ''}, "
           f"mean {statistics.mean(len(p) for p, _, _ in batch):.0f} characters; {pred.name}, "
           f"{len(pred.featurizer)} terms, auto_missing={pred.auto_missing}; 1 thread, CPU ms per request")
