@@ -14,6 +14,11 @@ backends directly (clients split evenly), then through ``python -m routerd.daemo
 
 Usage: python benchmarks/routerd_overhead.py [--seconds 15] [--concurrency 128] [--tokens 64]
        [--policy round_robin] [--event-loop auto|asyncio|uvloop] [--router routerd|floor|floor-c]
+       [--predictors default[,none,...]]
+
+``--predictors`` runs routerd once per predictor spec after the one direct run (so each
+is measured against the same baseline); ``default`` (routerd's default since issue #17)
+is the shipped n-gram model, ``none`` the setting of the figures measured before it.
 Targets: >= 95% of direct throughput, <= 3 ms added to p50 TTFT and E2E, <= 1.5 ms CPU/request.
 """
 
@@ -226,6 +231,8 @@ def main() -> None:
                     help="what to put between client and backends: routerd, relay_floor.py (the least a "
                          "Python relay can spend; see that file), or relay_floor_c.c (the same relay in C, "
                          "compiled with gcc: the native floor)")
+    ap.add_argument("--predictors", default="default",
+                    help="comma-separated routerd --predictor specs, one routerd run each (routerd only)")
     ap.add_argument("--mode", default="main", choices=["main", "backend", "load"], help=argparse.SUPPRESS)
     ap.add_argument("--ports", default="", help=argparse.SUPPRESS)
     ap.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
@@ -249,37 +256,45 @@ def main() -> None:
         load = [py, me, "--mode", "load", "--concurrency", str(a.concurrency), "--seconds", str(a.seconds),
                 "--warmup", str(a.warmup), "--tokens", str(a.tokens)]
         direct = json.loads(subprocess.check_output(load + ["--ports", f"{b1},{b2}"]))
-        if a.router == "floor":
-            cmd = [py, str(Path(me).with_name("relay_floor.py")), str(rp), str(b1), str(b2)]
-        elif a.router == "floor-c":
-            cmd = [_build_floor_c(Path(me).with_name("relay_floor_c.c"), tmp.name), str(rp), str(b1), str(b2)]
-        else:
-            cmd = [py, "-m", "routerd.daemon", "--host", "127.0.0.1", "--port", str(rp), "--no-grpc", "--model", "m",
-             "--policy", a.policy, "--log-level", "warning",
-                   "--endpoint", f"a=http://127.0.0.1:{b1}", "--endpoint", f"b=http://127.0.0.1:{b2}"]
-        router = subprocess.Popen(
-            cmd, env={**env, "PHASEWISE_EVENT_LOOP": a.event_loop, "PHASEWISE_RELOAD__WATCH": "false"})
-        procs.append(router)
-        _wait_port(rp)
-        via = json.loads(subprocess.check_output(load + ["--ports", str(rp), "--pid", str(router.pid)]))
+        runs: list[tuple[str, dict]] = []
+        specs = [x.strip() for x in a.predictors.split(",") if x.strip()] if a.router == "routerd" else [""]
+        for spec in specs:
+            if a.router == "floor":
+                cmd = [py, str(Path(me).with_name("relay_floor.py")), str(rp), str(b1), str(b2)]
+            elif a.router == "floor-c":
+                cmd = [_build_floor_c(Path(me).with_name("relay_floor_c.c"), tmp.name), str(rp), str(b1), str(b2)]
+            else:
+                cmd = [py, "-m", "routerd.daemon", "--host", "127.0.0.1", "--port", str(rp), "--no-grpc",
+                       "--model", "m", "--policy", a.policy, "--log-level", "warning", "--predictor", spec,
+                       "--endpoint", f"a=http://127.0.0.1:{b1}", "--endpoint", f"b=http://127.0.0.1:{b2}"]
+            router = subprocess.Popen(
+                cmd, env={**env, "PHASEWISE_EVENT_LOOP": a.event_loop, "PHASEWISE_RELOAD__WATCH": "false"})
+            procs.append(router)
+            _wait_port(rp)
+            via = json.loads(subprocess.check_output(load + ["--ports", str(rp), "--pid", str(router.pid)]))
+            router.terminate()
+            router.wait()
+            name = a.router if not spec else f"{a.router}[{spec}]"
+            runs.append((name, via))
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
             p.wait()
         tmp.cleanup()
-    cpu_ms = via["cpu_ms_per_request"]
     print(f"setting: {a.concurrency} concurrent streams, {a.tokens} tokens at 5 ms after 20 ms, 2 backends, "
           f"{a.seconds:g} s (+{a.warmup:g} s warm-up), policy {a.policy}, event loop {a.event_loop}")
-    print(f"{'':8s} {'req/s':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'E2E p50':>9s} {'E2E p99':>9s}  (ms)")
-    for name, r in (("direct", direct), (a.router, via)):
-        print(f"{name:8s} {r['rps']:8.1f} {r['ttft_p50_ms']:9.2f} {r['ttft_p99_ms']:9.2f} {r['e2e_p50_ms']:9.2f} "
+    width = max(8, *(len(n) for n, _ in runs))
+    print(f"{'':{width}s} {'req/s':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'E2E p50':>9s} {'E2E p99':>9s}  (ms)")
+    for name, r in [("direct", direct), *runs]:
+        print(f"{name:{width}s} {r['rps']:8.1f} {r['ttft_p50_ms']:9.2f} {r['ttft_p99_ms']:9.2f} {r['e2e_p50_ms']:9.2f} "
               f"{r['e2e_p99_ms']:9.2f}")
-    print(f"throughput kept {100 * via['rps'] / direct['rps']:.1f}%  "
-          f"added p50 TTFT {via['ttft_p50_ms'] - direct['ttft_p50_ms']:+.2f} ms  "
-          f"added p50 E2E {via['e2e_p50_ms'] - direct['e2e_p50_ms']:+.2f} ms  "
-          f"routerd CPU {cpu_ms:.2f} ms/request (user {via['user_ms_per_request']:.2f}, "
-          f"system {via['sys_ms_per_request']:.2f})")
+    for name, via in runs:
+        print(f"{name}: throughput kept {100 * via['rps'] / direct['rps']:.1f}%  "
+              f"added p50 TTFT {via['ttft_p50_ms'] - direct['ttft_p50_ms']:+.2f} ms  "
+              f"added p50 E2E {via['e2e_p50_ms'] - direct['e2e_p50_ms']:+.2f} ms  "
+              f"CPU {via['cpu_ms_per_request']:.2f} ms/request (user {via['user_ms_per_request']:.2f}, "
+              f"system {via['sys_ms_per_request']:.2f})")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from routerd.model import PREDICTOR_BUCKET_EDGES, bucket_of
 from routerd.daemon.config import PolicyConfig, Settings, load_settings
 from routerd.daemon.discovery import DiscoveredEndpoint
 from routerd.daemon.metrics import Metrics
+from routerd.daemon.predict_batch import PredictionBatcher
 from routerd.daemon.proxy import Proxy
 from routerd.daemon.router import CheckpointConfigError, Router, build_routing_policy
 
@@ -128,6 +129,7 @@ class Daemon:
         self.profile = built.profile
         self.predictor = built.predictor
         self._predictor_blocking = self._is_blocking(self.predictor)
+        self._batcher = PredictionBatcher(self._is_blocking)
         self.metrics = Metrics()
         self.router = Router(profile=self.profile, policy=built.policy, policy_name=built.policy_name,
                              metrics=self.metrics, config=settings.router, state_max_age_s=settings.state.max_age_s,
@@ -382,12 +384,9 @@ class Daemon:
         if p is None:
             return None
         try:
-            if self._predictor_blocking:
-                # A transformer takes milliseconds: keep it off the event loop.
-                out = await asyncio.to_thread(p.predict, [(prompt, prompt_tokens, task)])
-            else:
-                out = p.predict([(prompt, prompt_tokens, task)])
-            b = int(out[0])
+            # Requests parsed in the same loop iteration are predicted as one batch
+            # (predict_batch.py); a transformer runs off the event loop.
+            b = int(await self._batcher.predict(p, (prompt, prompt_tokens, task)))
         except Exception:  # noqa: BLE001 - a predictor failure must not fail the request
             log.exception("predictor failed; routing without a prediction")
             return None
