@@ -147,8 +147,10 @@ def test_hint_modes_and_task_labels(shipped, hint, task, capsys):
             "auto": "given" if task == shipped.tasks[0] else shipped.auto_missing}[hint]
     assert row["task_source"] == rule
     if task == "no-such-task":
+        how = f" (hint auto: {shipped.auto_missing})" if hint == "auto" else ""
         assert err == ("phasewise: note: 1 request(s) had a task label the model does not know; "
-                       "they were predicted without it\n")
+                       f"they were predicted as requests without a task{how}; its tasks: "
+                       f"{', '.join(shipped.tasks)}\n")
         assert row["task"] != "no-such-task"
     else:
         assert err == ""
@@ -159,7 +161,7 @@ def test_jsonl_input_matches_the_api_line_by_line(shipped, tmp_path, capsys):
     rows = [{"prompt": "Write a long story about dragons", "prompt_tokens": 7, "task": known},
             {"prompt": "hi"},
             {"prompt": None, "prompt_tokens": 300},
-            {},
+            {"prompt": ""},
             {"prompt": "Translate 'cat' to French", "task": "no-such-task"}]
     p = tmp_path / "in.jsonl"
     p.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
@@ -605,3 +607,16 @@ def test_rows_of_a_predictor_with_probabilities_only():
         t.predict_proba = lambda batch, a=np.asarray(bad): a
         with pytest.raises(PredictorError, match="probabilities of shape"):
             _rows(t, [("a", 3, None)])
+
+
+def test_jsonl_without_prompt_fields_is_refused_and_unknown_fields_noted(capsys, monkeypatch, tmp_path):
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"prompt": "hi", "id": 7}\n{"text": "Write a long essay"}\n')
+    rc, out, err = cli(["predictor", "predict", "--input", str(f)], capsys)
+    assert rc == 2 and out == ""
+    assert one_error_line(err) == f"phasewise: error: {f}: line 2: needs field prompt or prompt_tokens (got 'text')"
+    f.write_text('{"prompt": "hi", "id": 7}\n{"prompt_tokens": 12, "id": 8, "source": "x"}\n')
+    rc, out, err = cli(["predictor", "predict", "--input", str(f)], capsys)
+    assert rc == 0 and len(out.splitlines()) == 2
+    assert err == (f"phasewise: note: {f}: ignored field(s) 'id' (first on line 1), 'source' (first on line 2); "
+                   "the fields are prompt, prompt_tokens, task\n")

@@ -327,6 +327,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     per_seed = []  # (seed, workload, requests, prediction mode)
     offered = rejected = 0
     textless = textless_tasks = predicted = 0  # requests given to a predictor: without text, of which with a task
+    exact = 0  # of those, predicted in the bucket of their true output length
+    from routerd.model import bucket_of
     for seed, wl in zip(seeds, wls):
         requests, prediction = wl.requests, args.prediction
         fitting = sum(1 for r in requests if r.prompt_tokens < profile.max_model_len)
@@ -349,6 +351,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             textless_tasks += sum(1 for r in bare if r.task)
             requests = assign_predictions(requests, pred, edges=PREDICTOR_BUCKET_EDGES)
             prediction = "given"
+            exact += sum(1 for r in requests if r.predicted_bucket == bucket_of(r.output_tokens, PREDICTOR_BUCKET_EDGES))
         elif prediction == "given" and any(r.predicted_bucket is None for r in requests):
             raise UsageError(f"--prediction given: workload {wl.name!r} carries no predictions; "
                              "use --prediction predictor:SPEC (default, majority, task-prior, length-only, "
@@ -356,6 +359,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         per_seed.append((seed, wl, requests, prediction))
     if textless:
         notes.append(_textless_note(args.prediction, wls[0].name, textless, textless_tasks, predicted))
+    if predicted:
+        notes.append(f"{args.prediction} ({pred.name}) put {exact} of {predicted} requests "
+                     f"({100 * exact / predicted:.1f}%) in the bucket of their true output length")
     if rejected > REJECTED_NOTE_FRACTION * offered:
         # vLLM refuses such prompts; a silent count in the header hides that the bench ran on part of the trace.
         long_ctx = "llama3.1-8b-h100"

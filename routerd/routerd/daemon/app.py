@@ -182,10 +182,12 @@ class Daemon:
         self._on_ready_change()
         if not self.router.endpoints and not s.kubernetes.enabled:
             log.warning("no endpoints configured: every request will get 503 until a reload adds some")
-        log.info("routerd listening on http://%s:%d%s; policy %s; %d endpoints", s.http.host, self.http_port,
+        log.info("routerd listening on http://%s:%d%s; policy %s; predictor %s; %d endpoints", s.http.host,
+                 self.http_port,
                  f", gRPC {s.grpc.host}:{self.grpc_port}" if self._grpc is not None else "",
                  s.policy.name if self.router.policy_name == s.policy.name
                  else f"{self.router.policy_name} (configured {s.policy.name}: its checkpoint is unusable)",
+                 getattr(self.predictor, "name", "none") if self.predictor is not None else "none",
                  len(self.router.endpoints))
 
     @property

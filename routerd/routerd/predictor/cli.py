@@ -34,9 +34,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     sub = p.add_subparsers(dest="predictor_command", required=True)
 
-    t = sub.add_parser("train", help="fine-tune the bucket and task classifiers, fit the n-gram model, save them",
-                       description="Train on shared/data/prompts (seeded stratified split) and save with "
-                                   "save_pretrained plus predictor.json. Needs the 'predictor' extra.")
+    t = sub.add_parser("train", help="train a predictor: --kind ngram (numpy-served, like the shipped default) "
+                                     "or the transformer blend",
+                       description="Train on shared/data/prompts (seeded stratified split). --kind ngram: the "
+                                   "n-gram bucket model and task classifier served with numpy (needs the "
+                                   "'predictor-train' extra, scikit-learn); --kind transformer (default): MiniLM "
+                                   "blended with the n-gram model, saved with save_pretrained (needs the "
+                                   "'predictor' extra, torch).")
     add_arguments(t)
 
     e = sub.add_parser("eval", help="Table-1-style report: accuracy, macro-F1, confusion per dataset and task",
@@ -84,9 +88,14 @@ def estimate_tokens(text: str | bytes) -> int:
     return max(1, math.ceil(len(raw) / 4))
 
 
+#: The fields of a ``--input`` line.
+JSONL_FIELDS = ("prompt", "prompt_tokens", "task")
+
+
 def _read_jsonl(path: str) -> list[tuple]:
     raw = sys.stdin.buffer.read() if path == "-" else _read_bytes(path)
     items = []
+    ignored: dict[str, int] = {}
     for n, line in enumerate(raw.split(b"\n"), start=1):
         if not line.strip():
             continue
@@ -96,6 +105,13 @@ def _read_jsonl(path: str) -> list[tuple]:
             raise PredictorError(f"{path}: line {n}: invalid JSON ({e.msg})") from None
         if not isinstance(obj, dict):
             raise PredictorError(f"{path}: line {n}: expected a JSON object")
+        extra = [k for k in obj if k not in JSONL_FIELDS]
+        if "prompt" not in obj and "prompt_tokens" not in obj:
+            # A misspelt field must not be predicted silently as an empty prompt.
+            raise PredictorError(f"{path}: line {n}: needs field prompt or prompt_tokens"
+                                 + (f" (got {', '.join(map(repr, extra[:5]))})" if extra else ""))
+        for k in extra:
+            ignored.setdefault(k, n)
         prompt = obj.get("prompt")
         if prompt is not None and not isinstance(prompt, str):
             raise PredictorError(f"{path}: line {n}: field prompt must be a string or null")
@@ -108,6 +124,10 @@ def _read_jsonl(path: str) -> list[tuple]:
         if task is not None and not isinstance(task, str):
             raise PredictorError(f"{path}: line {n}: field task must be a string or null")
         items.append((prompt, tokens, task))
+    if ignored:
+        where = ", ".join(f"{k!r} (first on line {n})" for k, n in list(ignored.items())[:5])
+        print(f"phasewise: note: {path}: ignored field(s) {where}; the fields are {', '.join(JSONL_FIELDS)}",
+              file=sys.stderr)
     return items
 
 
@@ -222,8 +242,12 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         sys.stdout.write("\n".join(lines) + "\n")
     unknown = getattr(pred, "unknown_tasks", 0)
     if unknown:
+        how = f" (hint {pred.hint}: {pred.auto_missing})" if getattr(pred, "hint", None) == "auto" and \
+            hasattr(pred, "auto_missing") else ""
+        known = getattr(pred, "tasks", [])
         print(f"phasewise: note: {unknown} request(s) had a task label the model does not know; "
-              "they were predicted without it", file=sys.stderr)
+              f"they were predicted as requests without a task{how}"
+              + (f"; its tasks: {', '.join(known)}" if known else ""), file=sys.stderr)
     return 0
 
 

@@ -150,6 +150,9 @@ def evaluate(
     report = {"split": split, "seed": seed, "edges": list(edges), "rows": len(idx),
               "bucket_counts": np.bincount(y, minlength=nb).tolist(), "results": results,
               "model": str(model_dir) if model_dir else None}
+    if "length-only" not in results:
+        report["notes"] = ["the length-only and length+task baselines need scikit-learn "
+                           "(pip install -e '.[predictor-train]'); they are left out"]
     if getattr(pred, "kind", None) == "ngram":
         _evaluate_ngram(pred, eval_rows, y, nb, batch, batch_size, results, report, progress)
     elif pred is not None:
@@ -241,6 +244,8 @@ def format_report(report: dict) -> str:
         known = f" ({_pct(ta['known_tasks'])}% on the rows of tasks it knows)" if "known_tasks" in ta else ""
         lines += ["", f"Task classifier accuracy: {_pct(ta['overall'])}%{known} "
                       f"(per task: {', '.join(f'{t} {_pct(a)}' for t, a in ta['task'].items())})"]
+    for note in report.get("notes", []):
+        lines += ["", f"Note: {note}."]
     lines += ["", "Confusion matrices (rows = true bucket, columns = predicted):", ""]
     for n in names:
         cm = res[n]["overall"]["confusion"]

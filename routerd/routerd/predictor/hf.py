@@ -78,7 +78,7 @@ def require_torch() -> None:
     except ImportError as e:
         raise PredictorError(
             f"the transformer predictor needs torch and transformers ({e.name} missing): "
-            "pip install 'phasewise[predictor]'"
+            "pip install 'phasewise[predictor]' (or train the numpy-served n-gram predictor: --kind ngram)"
         ) from None
 
 
