@@ -128,8 +128,23 @@ async def _worker(port, body, start, deadline, out):
     tr.close()
 
 
+#: The prompt's length in characters (``--prompt-chars``): the predictor's cost grows with it.
+PROMPT_CHARS = int(os.environ.get("PHASEWISE_BENCH_PROMPT_CHARS", "240"))
+
+
+def _prompt(chars: int) -> str:
+    words = ("please explain how the router picks an instance for each request and why "
+             "prefill and decode interfere when they share a batch ").split()
+    out, k = [], 0
+    while sum(len(w) + 1 for w in out) < chars:
+        out.append(words[k % len(words)])
+        k += 1
+    return " ".join(out)[:chars]
+
+
 async def _load(ports, conc, seconds, warmup, tokens):
-    body = json.dumps({"model": "m", "prompt": "hello world " * 20, "max_tokens": tokens, "stream": True}).encode()
+    body = json.dumps({"model": "m", "prompt": _prompt(PROMPT_CHARS), "max_tokens": tokens,
+                       "stream": True}).encode()
     out: list[tuple[float, float, float]] = []
     start = time.perf_counter()
     t_measure = start + warmup
@@ -231,6 +246,8 @@ def main() -> None:
                     help="what to put between client and backends: routerd, relay_floor.py (the least a "
                          "Python relay can spend; see that file), or relay_floor_c.c (the same relay in C, "
                          "compiled with gcc: the native floor)")
+    ap.add_argument("--prompt-chars", type=int, default=240,
+                    help="prompt length in characters (the predictor reads up to 4,000)")
     ap.add_argument("--predictors", default="default",
                     help="comma-separated routerd --predictor specs, one routerd run each (routerd only)")
     ap.add_argument("--mode", default="main", choices=["main", "backend", "load"], help=argparse.SUPPRESS)
@@ -244,6 +261,9 @@ def main() -> None:
         print(json.dumps(run_load([int(p) for p in a.ports.split(",")], a.concurrency, a.seconds, a.warmup,
                                   a.tokens, a.pid or None)))
         return
+    if a.prompt_chars < 1:
+        ap.error("--prompt-chars must be >= 1")
+    os.environ["PHASEWISE_BENCH_PROMPT_CHARS"] = str(a.prompt_chars)
     py = sys.executable
     me = str(Path(__file__).resolve())
     b1, b2, rp = _free_ports(3)

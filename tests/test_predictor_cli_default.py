@@ -514,8 +514,9 @@ def test_bench_on_a_trace_without_text_notes_it_once(tmp_path, capsys):
     rc, out, err = _bench(["--prediction", "predictor:default", "--limit", "80", "--seeds", "2"], tmp_path, capsys)
     assert rc == 0, err
     notes = [x for x in err.splitlines() if "no prompt text" in x]
-    assert notes == ["phasewise: note: workload 'sample' has no prompt text; predictor:default predicts from "
-                     "prompt length alone (the requests have no task label either)"]
+    assert notes == ["phasewise: note: workload 'sample' has no prompt text; predictor:default gives them its "
+                     "training prior (the class frequencies of its training rows, of their task when it knows "
+                     "it; overall most likely bucket 0), not a prediction from the prompt"]
     data = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert data["prediction"] == "predictor:default"
 
@@ -620,3 +621,25 @@ def test_jsonl_without_prompt_fields_is_refused_and_unknown_fields_noted(capsys,
     assert rc == 0 and len(out.splitlines()) == 2
     assert err == (f"phasewise: note: {f}: ignored field(s) 'id' (first on line 1), 'source' (first on line 2); "
                    "the fields are prompt, prompt_tokens, task\n")
+
+
+def test_jsonl_that_json_cannot_hold_is_one_error_line(capsys, tmp_path):
+    f = tmp_path / "in.jsonl"
+    for body, words in (('{"prompt": "hi", "prompt_tokens": ' + "9" * 5000 + "}", "line 1: unreadable JSON"),
+                        ('{"prompt": "hi"}\n' + "[" * 100_000 + "]" * 100_000, "line 2: unreadable JSON")):
+        f.write_text(body)
+        rc, out, err = cli(["predictor", "predict", "--input", str(f)], capsys)
+        assert rc == 2 and out == "" and words in one_error_line(err)
+    f.write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\n')  # a byte-order mark
+    rc, out, err = cli(["predictor", "predict", "--input", str(f)], capsys)
+    assert rc == 0 and json.loads(out)["bucket"] in (0, 1, 2)
+
+
+def test_routerd_refuses_an_empty_predictor_setting():
+    from routerd.daemon.app import load_length_predictor
+    from routerd.errors import ConfigError
+
+    for spec in ("", "  "):
+        with pytest.raises(ConfigError, match="predictor: empty"):
+            load_length_predictor(spec)
+    assert load_length_predictor("none") is None and load_length_predictor("NONE") is None

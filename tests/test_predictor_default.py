@@ -81,9 +81,12 @@ def test_probabilities_bucket_and_task_source_rules(pred, hint):
     np.testing.assert_array_equal(pred.predict_proba(batch), probs)
     assert len(info) == len(batch)
     for (_, _, task), row in zip(batch, info):
-        assert set(row) == {"task", "task_source", "task_probability"}
+        assert set(row) == {"task", "task_source", "task_probability", "text"}
         is_known = task == known
         src = row["task_source"]
+        if not row["text"]:  # no prompt text: the training prior, with the given task only
+            assert src == ("given" if is_known and hint in ("true", "auto") else "none")
+            continue
         if hint == "none":
             expected = "none"
         elif hint == "true":
@@ -109,6 +112,10 @@ def test_predicted_hint_is_the_bucket_model_given_the_guessed_task(pred):
     batch = odd_batch(pred.tasks[0])
     pred.hint = "predicted"
     probs, info = pred.explain(batch)
+    # Requests without text get the prior, not a guessed task (test_requests_without_text_...).
+    keep = [i for i, r in enumerate(info) if r["text"]]
+    assert keep and len(keep) < len(batch)
+    batch, probs, info = [batch[i] for i in keep], probs[keep], [info[i] for i in keep]
     guessed = pred.predict_tasks(batch)
     assert [r["task"] for r in info] == guessed
     pred.hint = "true"
@@ -124,6 +131,8 @@ def test_mixture_is_the_posterior_average_over_tasks(pred):
     batch = odd_batch(pred.tasks[0])[:6]
     pred.hint = "mixture"
     probs, info = pred.explain(batch)
+    keep = [i for i, r in enumerate(info) if r["text"]]
+    batch, probs, info = [batch[i] for i in keep], probs[keep], [info[i] for i in keep]
     x = pred.featurizer.transform([p for p, _, _ in batch])
     post = softmax_rows(pred.task_model.scores(x, [n for _, n, _ in batch], [None] * len(batch)))
     pred.hint = "true"
@@ -274,3 +283,26 @@ assert rc == 0, rc
     assert out.returncode == 0, out.stderr
     line = [x for x in out.stdout.splitlines() if x.startswith("{")]
     assert len(line) == 1 and '"predictor": "ngram:' in line[0]
+
+
+def test_requests_without_text_get_the_training_prior(pred):
+    """The prior of predictor.json: class counts of the training rows, per task or overall."""
+    prior = pred.meta["prior"]
+    known = pred.tasks[0]
+    batch = [(None, 3000, None), ("", 10, None), ("   \n", 10, known), (None, 5, "no-such-task"),
+             ("a real prompt about code", 3000, None)]
+    for hint in ("auto", "true", "predicted", "mixture", "none"):
+        pred.hint = hint
+        probs, info = pred.explain(batch)
+        total = np.asarray(prior["all"], dtype=float)
+        np.testing.assert_allclose(probs[0], total / total.sum(), atol=1e-12)
+        np.testing.assert_allclose(probs[1], total / total.sum(), atol=1e-12)
+        np.testing.assert_allclose(probs[3], total / total.sum(), atol=1e-12)
+        if hint in ("auto", "true"):
+            own = np.asarray(prior["tasks"][known], dtype=float)
+            np.testing.assert_allclose(probs[2], own / own.sum(), atol=1e-12)
+            assert info[2]["task"] == known and info[2]["task_source"] == "given"
+        assert [r["text"] for r in info] == [False, False, False, False, True]
+        assert all(r["task_probability"] is None for r in info[:4])
+    # The shipped prior's majority is bucket 0 (GPTeacher's short answers dominate).
+    assert pred.predict([(None, 3000, None)]) == [int(np.argmax(prior["all"]))] == [0]

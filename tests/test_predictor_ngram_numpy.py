@@ -115,7 +115,7 @@ def test_hint_modes_follow_their_formulas(bucket, featurizer):
         np.testing.assert_allclose(probs[i], want, atol=1e-12)
         assert info[i]["task_source"] == "mixture" and info[i]["task"] == bucket.tasks[int(post[i].argmax())]
     np.testing.assert_allclose(probs[1], bucket.predict_proba([TEXTS[1]], [9], ["toy:code"])[0], atol=1e-12)
-    assert info[1] == {"task": "toy:code", "task_source": "given", "task_probability": None}
+    assert info[1] == {"task": "toy:code", "task_source": "given", "task_probability": None, "text": True}
     assert p.unknown_tasks == 1
     np.testing.assert_allclose(probs.sum(axis=1), 1.0)
 

@@ -82,3 +82,29 @@ def test_refuses_too_few_rows(tmp_path):
 
     with pytest.raises(PredictorError, match="too few rows"):
         train_ngram(_args(tmp_path), rows=_rows()[:3])
+
+
+def test_train_options_that_would_fail_late_or_leak_are_refused_first(tmp_path, capsys):
+    from routerd.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    cases = [
+        (["--out", ""], "--out is empty"),
+        (["--out", str(afile)], f"{afile} is a file"),
+        (["--out", str(afile / "sub")], f"{afile} is a file"),
+        (["--out", str(busy)], "holds other files (notes.txt)"),
+        (["--out", str(tmp_path / "m"), "--sources", ",,"], "names no prompt file"),
+        (["--out", str(tmp_path / "m"), "--ngram-c", "inf"], "finite"),
+        (["--out", str(tmp_path / "m"), "--ngram-task-c", "0"], "finite and > 0"),
+        (["--out", str(tmp_path / "m"), "--min-class-rows", "-5"], "--min-class-rows must be >= 1"),
+    ]
+    for extra, words in cases:
+        rc = main(["predictor", "train", "--kind", "ngram", "--small", *extra])
+        err = capsys.readouterr().err
+        assert rc == 2 and words in err and err.count("\n") == 1, (extra, err)
+    assert (busy / "notes.txt").read_text() == "mine" and sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
+    assert not (tmp_path / "m").exists()

@@ -214,7 +214,8 @@ class _Outputs:
         return [str(p) for _, p in temps]
 
 
-def _textless_note(prediction: str, workload: str, textless: int, with_task: int, total: int) -> str:
+def _textless_note(prediction: str, workload: str, textless: int, with_task: int, total: int,
+                   pred: object = None) -> str:
     """The note for ``--prediction predictor:SPEC`` on requests without prompt text (traces:
     ``Request.prompt`` is None): what the predictor reads there instead. The baselines never read
     text, so for them it only says so."""
@@ -225,6 +226,13 @@ def _textless_note(prediction: str, workload: str, textless: int, with_task: int
              f"{textless} of {total} requests of workload {workload!r} have no prompt text")
     if spec in BASELINE_NAMES:
         return f"{where}; {prediction} never reads prompt text, so this changes nothing for it"
+    prior = getattr(pred, "prior", None)
+    if prior is not None:
+        # The n-gram predictor gives text-less requests its training prior (ngram_predictor.py).
+        b = int(prior.argmax())
+        return (f"{where}; {prediction} gives {'them' if textless == total else 'those'} its training prior "
+                f"(the class frequencies of its training rows, of their task when it knows it; overall "
+                f"most likely bucket {b}), not a prediction from the prompt")
     if with_task == 0:
         uses = "prompt length alone (the requests have no task label either)"
     elif with_task == textless:
@@ -358,7 +366,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                              "length+task or a trained model folder)")
         per_seed.append((seed, wl, requests, prediction))
     if textless:
-        notes.append(_textless_note(args.prediction, wls[0].name, textless, textless_tasks, predicted))
+        notes.append(_textless_note(args.prediction, wls[0].name, textless, textless_tasks, predicted, pred))
+    if getattr(pred, "unknown_tasks", 0):
+        notes.append(f"{pred.unknown_tasks} of {predicted} requests carry a task label {pred.name} was not "
+                     "trained on; it predicts them as requests without a task")
     if predicted:
         notes.append(f"{args.prediction} ({pred.name}) put {exact} of {predicted} requests "
                      f"({100 * exact / predicted:.1f}%) in the bucket of their true output length")

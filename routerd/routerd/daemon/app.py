@@ -60,7 +60,10 @@ def load_length_predictor(spec: str):
             scikit-learn baselines ``length-only`` / ``length+task``, ``predictor`` for a
             transformer folder).
     """
-    if spec.strip().lower() in ("", "none"):
+    if not spec.strip():
+        raise ConfigError("predictor: empty; give 'default' (the shipped model), 'none' (no prediction), "
+                          "a baseline name or a model folder")
+    if spec.strip().lower() == "none":
         return None
     from routerd.predictor import BASELINE_NAMES, PredictorError, load_predictor
 

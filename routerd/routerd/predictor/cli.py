@@ -100,9 +100,12 @@ def _read_jsonl(path: str) -> list[tuple]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line.decode("utf-8", errors="replace"))
+            # utf-8-sig: a file saved with a byte-order mark is still JSON lines.
+            obj = json.loads(line.decode("utf-8-sig" if n == 1 else "utf-8", errors="replace"))
         except json.JSONDecodeError as e:
             raise PredictorError(f"{path}: line {n}: invalid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # a 5,000-digit integer, nesting 100k deep
+            raise PredictorError(f"{path}: line {n}: unreadable JSON ({type(e).__name__}: {str(e)[:80]})") from None
         if not isinstance(obj, dict):
             raise PredictorError(f"{path}: line {n}: expected a JSON object")
         extra = [k for k in obj if k not in JSONL_FIELDS]
@@ -305,6 +308,9 @@ def run(args: argparse.Namespace) -> int:
         return cmd(args)
     except (PredictorError, WorkloadError) as e:
         print(f"phasewise: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print("phasewise: error: out of memory (is the input a device or larger than memory?)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("phasewise: interrupted", file=sys.stderr)

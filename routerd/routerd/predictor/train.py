@@ -521,6 +521,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true")
 
 
+#: Files a predictor folder may hold (so --out may name a folder saved before).
+_MODEL_FILES = {"predictor.json", "vocabulary.json", "weights.safetensors", "bucket", "task", "ngram"}
+
+
+def check_out(out: str) -> None:
+    """Refuse an ``--out`` that would fail only after training, or mix a model into other files.
+
+    Raises:
+        PredictorError: empty, a file, under a file, or a non-empty folder that is not a
+            predictor folder.
+    """
+    if not out or not out.strip():
+        raise PredictorError("--out is empty; name the folder to save the model in")
+    p = Path(out)
+    for parent in [p, *p.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise PredictorError(f"--out {out}: {parent} is a file, not a folder")
+    if p.is_dir():
+        other = sorted(x.name for x in p.iterdir() if x.name not in _MODEL_FILES)
+        if other:
+            raise PredictorError(f"--out {out}: the folder holds other files ({', '.join(other[:3])}"
+                                 f"{', ...' if len(other) > 3 else ''}); give a new or a model folder")
+
+
 def args_from_namespace(ns: argparse.Namespace) -> Args:
     """Validated :class:`Args` from parsed options. Raises :class:`PredictorError`."""
     a = small_args(ns.out) if ns.small else Args(out=ns.out)
@@ -544,8 +568,13 @@ def args_from_namespace(ns: argparse.Namespace) -> Args:
     a.threads, a.max_minutes, a.skip_test, a.log = ns.threads, ns.max_minutes, ns.skip_test, not ns.quiet
     a.ngram, a.ngram_c, a.ngram_max_features = not ns.no_ngram, ns.ngram_c, ns.ngram_max_features
     a.ngram_task_c = ns.ngram_task_c
-    if not a.ngram_c > 0 or not a.ngram_task_c > 0 or a.ngram_max_features < 1:
-        raise PredictorError("--ngram-c and --ngram-task-c must be > 0 and --ngram-max-features >= 1")
+    if not (0 < a.ngram_c < math.inf and 0 < a.ngram_task_c < math.inf) or a.ngram_max_features < 1:
+        raise PredictorError("--ngram-c and --ngram-task-c must be finite and > 0, --ngram-max-features >= 1")
+    if ns.sources is not None and not a.sources:
+        raise PredictorError(f"--sources {ns.sources!r} names no prompt file (omit it to use every file)")
+    if min(a.min_class_rows, ns.min_class_rows) < 1 or (ns.task_max_per_task or 0) < 0 or (ns.max_train_per_task or 0) < 0:
+        raise PredictorError("--min-class-rows must be >= 1; --task-max-per-task and --max-train-per-task >= 0")
+    check_out(ns.out)
     if not 0.0 <= a.hint_dropout <= 1.0:
         raise PredictorError(f"--hint-dropout must be in [0, 1], got {a.hint_dropout}")
     if a.epochs < 1 or a.task_epochs < 1 or a.batch_size < 1 or not a.lr > 0:

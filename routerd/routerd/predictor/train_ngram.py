@@ -21,12 +21,14 @@ What happens, in order:
 4. **Task classifier.** Logistic regression (C ``--ngram-task-c``) on the same TF-IDF and
    ``log1p(prompt_tokens)`` with the task as the class, on at most ``--task-max-per-task``
    rows per task (so 7.5k chat rows do not drown 200 of a small task).
-5. **Save and reload** as served: float32 safetensors, then every figure below is
+5. **Prior.** The training class counts, overall and per task: what requests without
+   prompt text get (:mod:`.ngram_predictor`).
+6. **Save and reload** as served: float32 safetensors, then every figure below is
    measured on the reloaded model.
-6. **Choices on validation.** ``auto_missing`` (what ``auto`` does for a request
+7. **Choices on validation.** ``auto_missing`` (what ``auto`` does for a request
    without a known task) is the one of ``none``, ``predicted`` and ``mixture`` with the
    best validation accuracy with every task removed (ties: ``none``, then ``mixture``).
-7. **Test.** Measured once, after every choice: accuracy with the true task, without,
+8. **Test.** Measured once, after every choice: accuracy with the true task, without,
    with each hint mode; per dataset; the task classifier's accuracy on the rows whose
    task it knows, and on all rows.
 """
@@ -101,7 +103,7 @@ def evaluate_split(pred: NgramPredictor, rows: Sequence[D.Row], idx: np.ndarray,
 
 
 def train_ngram(args, *, rows: Sequence[D.Row] | None = None, train_datasets: set[str] | None = None) -> Path:
-    """Steps 1-7 of the module docstring; returns the output folder.
+    """Steps 1-8 of the module docstring; returns the output folder.
 
     Args:
         args: a :class:`routerd.predictor.train.Args` (``out``, ``data_dir``, ``sources``,
@@ -167,19 +169,23 @@ def train_ngram(args, *, rows: Sequence[D.Row] | None = None, train_datasets: se
                                     use_task=False)
         _log(args, f"task classifier: {len(t_idx)} rows, {time.perf_counter() - t0:.0f} s")
 
-    # ---- 5. save and reload as served
+    # ---- 5. prior, 6. save and reload as served
+    # The prior for requests without text: training class counts, overall and per task.
+    prior = {"all": np.bincount(y[train_idx], minlength=n_classes).tolist(),
+             "tasks": {t: np.bincount(y[[i for i in train_idx if rows[i].task == t]], minlength=n_classes).tolist()
+                       for t in bucket.tasks}}
     meta = {"name": getattr(args, "name", None) or Path(args.out).name or "model", "auto_missing": "none",
-            "edges": list(edges),
+            "edges": list(edges), "prior": prior,
             "training": training_record(args, rows, train_idx, train_datasets, edges, n_classes, feat)}
     out = NgramPredictor(meta, bucket, task_model).save(args.out)
     pred = NgramPredictor.load(out)
 
-    # ---- 6. choices on validation
+    # ---- 7. choices on validation
     val = evaluate_split(pred, rows, val_idx, y)
     cands = [m for m in _TIE_ORDER if f"hint_{m}" in val]
     pred.auto_missing = max(cands, key=lambda m: (val[f"hint_{m}"], -_TIE_ORDER.index(m)))
     metrics = {"val": val}
-    # ---- 7. test, once
+    # ---- 8. test, once
     if not args.skip_test and len(test_idx):
         metrics["test"] = evaluate_split(pred, rows, test_idx, y)
     pred.meta.update(auto_missing=pred.auto_missing, metrics=metrics,
