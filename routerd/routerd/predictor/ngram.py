@@ -55,7 +55,7 @@ TOKEN_RE = re.compile(r"(?u)\b\w\w+\b")
 
 
 class SparseRows(NamedTuple):
-    """A sparse matrix of ``n`` rows as coordinates, sorted by (row, col), no duplicates."""
+    """A sparse matrix of ``n`` rows as coordinates, sorted by row, no duplicates."""
 
     n: int
     rows: np.ndarray
@@ -138,6 +138,17 @@ class Featurizer:
             ids.extend([get(a + " " + b, -1) for a, b in zip(words, words[1:])])
             counts.append(len(ids) - before)
         n = len(counts)
+        if n == 1:
+            # One request (routerd's common case): count in a dict, sparing np.unique's sort.
+            tally: dict[int, int] = {}
+            for i in ids:
+                if i >= 0:
+                    tally[i] = tally.get(i, 0) + 1
+            cols = np.fromiter(tally.keys(), dtype=np.int64, count=len(tally))
+            vals = (1.0 + np.log(np.fromiter(tally.values(), dtype=np.float64, count=len(tally)))) * self.idf[cols]
+            if vals.size:
+                vals /= np.sqrt(vals @ vals)
+            return SparseRows(1, np.zeros(len(tally), dtype=np.int64), cols, vals)
         col = np.asarray(ids, dtype=np.int64)
         row = np.repeat(np.arange(n, dtype=np.int64), counts)
         keep = col >= 0
@@ -148,6 +159,22 @@ class Featurizer:
         norm = np.sqrt(np.bincount(rows, weights=vals * vals, minlength=n))
         vals = vals / norm[rows] if vals.size else vals.astype(np.float64)
         return SparseRows(n, rows, cols, vals)
+
+
+def row_products(x: SparseRows, w: np.ndarray) -> np.ndarray:
+    """``x @ w`` for ``w`` of shape (terms, k): float64 of shape (x.n, k).
+
+    One gather of the present terms' rows and a segmented sum; a single row (routerd's
+    common case) is one vector-matrix product, which spares numpy's fixed costs."""
+    out = np.zeros((x.n, w.shape[1]))
+    if not x.vals.size:
+        return out
+    if x.n == 1:
+        out[0] = x.vals @ w[x.cols]
+        return out
+    starts = np.flatnonzero(np.diff(x.rows, prepend=-1))
+    out[x.rows[starts]] = np.add.reduceat(x.vals[:, None] * w[x.cols], starts, axis=0)
+    return out
 
 
 def log_tokens(prompt_tokens: Sequence[int]) -> np.ndarray:
@@ -209,12 +236,7 @@ class NgramModel:
     # ------------------------------------------------------------------ scores
     def text_scores(self, x: SparseRows) -> np.ndarray:
         """``x @ coef[:, :terms].T``: float64 of shape (x.n, classes)."""
-        out = np.zeros((x.n, self.classes))
-        if x.vals.size:
-            contrib = x.vals[:, None] * self._text_w[x.cols]
-            starts = np.flatnonzero(np.r_[True, x.rows[1:] != x.rows[:-1]])
-            out[x.rows[starts]] = np.add.reduceat(contrib, starts, axis=0)
-        return out
+        return row_products(x, self._text_w)
 
     def scores(self, x: SparseRows, prompt_tokens: Sequence[int], tasks: Sequence[object],
                text: np.ndarray | None = None) -> np.ndarray:

@@ -52,7 +52,7 @@ import numpy as np
 
 from .base import Item, PredictorError, check_edges, clean_prompt, clean_task, softmax_rows, unpack
 from .ngram import (Featurizer, NgramModel, check_max_chars, check_tasks, check_vocabulary, read_json,
-                    read_weights)
+                    read_weights, row_products)
 
 META_FILE = "predictor.json"
 VOCAB_FILE = "vocabulary.json"
@@ -115,6 +115,8 @@ class NgramPredictor:
         if not isinstance(meta.get("name", "model"), str):
             raise PredictorError(f"{where}field 'name' must be a string")
         self.prior, self.task_prior = self._read_prior(meta.get("prior"), where)
+        # Both heads' term weights side by side: a request's terms are gathered once.
+        self._both_w = None if task is None else np.ascontiguousarray(np.hstack([bucket._text_w, task._text_w]))
         self.hint = hint
         self.unknown_tasks = 0
         """Requests seen with a task label outside :attr:`tasks` (predicted as if it had none)."""
@@ -190,11 +192,17 @@ class NgramPredictor:
             bare &= np.array([not clean_prompt(p).strip() for p in prompts])
             for i in np.flatnonzero(bare):
                 modes[i] = "given" if modes[i] == "given" else "none"
-        text = self.bucket.text_scores(x)
+        need_post = any(m in ("predicted", "mixture") for m in modes)
+        c = self.bucket.classes
+        if need_post:
+            both = row_products(x, self._both_w)
+            text, task_text = both[:, :c], both[:, c:]
+        else:
+            text = row_products(x, self.bucket._text_w)
         used: list[str | None] = [k if m == "given" else None for k, m in zip(known, modes)]
         post = None
-        if any(m in ("predicted", "mixture") for m in modes):
-            post = softmax_rows(self.task_model.scores(x, tokens, [None] * n))
+        if need_post:
+            post = softmax_rows(self.task_model.scores(x, tokens, [None] * n, text=task_text))
             top = post.argmax(axis=1)
             for i, m in enumerate(modes):
                 if m == "predicted":
