@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,14 @@ def data_dir() -> Path:
         return resolve_data_dir(needed_by="this test")
     except WorkloadError as e:
         pytest.skip(str(e))
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (registered in ``sys.modules``:
+    dataclasses look their module up while the class is built)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark
 from routerd.bench import paired_interval
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "prediction_cost.py"
-_spec = importlib.util.spec_from_file_location("prediction_cost", _PATH)
-pc = importlib.util.module_from_spec(_spec)
-sys.modules["prediction_cost"] = pc  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(pc)
+pc = load_benchmark("prediction_cost")
 
 
 def test_parse_loads():

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import policy_params, split_checkpoint
+from conftest import load_benchmark, policy_params, split_checkpoint
 from routerd.policies.base import PolicyContext
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "rl_eval.py"
-_spec = importlib.util.spec_from_file_location("rl_eval", _PATH)
-rl_eval = importlib.util.module_from_spec(_spec)
-sys.modules["rl_eval"] = rl_eval  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(rl_eval)
+rl_eval = load_benchmark("rl_eval")
 
 
 def test_t_quantiles_from_the_table():
@@ -203,11 +196,7 @@ def test_held_out_part_shorter_than_requests_is_a_usage_error_in_validate(tmp_pa
 
 
 def _makespan_bound_module():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "makespan_bound.py"
-    spec = importlib.util.spec_from_file_location("makespan_bound", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("makespan_bound")
 
 
 @pytest.mark.parametrize("chunked", [True, False])

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import split_checkpoint
+from conftest import load_benchmark, split_checkpoint
 
 pytest.importorskip("gymnasium")  # routerd.rl.train (used by --pick) needs the 'rl' extra
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "rl_train_table.py"
-_spec = importlib.util.spec_from_file_location("rl_train_table", _PATH)
-table = importlib.util.module_from_spec(_spec)
-sys.modules["rl_train_table"] = table
-_spec.loader.exec_module(table)
+table = load_benchmark("rl_train_table")
 
 
 def test_pick_ranks_finished_runs_on_training_part_validation(tmp_path, capsys):

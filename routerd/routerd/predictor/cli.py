@@ -280,18 +280,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         out = train_ngram(a)
         meta = json.loads((out / "predictor.json").read_text())
-        for split, m in meta["metrics"].items():
-            print(f"{split}: accuracy with true task {m['hint_true']:.4f}, without task "
-                  f"({meta['auto_missing']}) {m['hint_' + meta['auto_missing']]:.4f}"
-                  + (f", task classifier {m['task_accuracy_known']:.4f}" if "task_accuracy_known" in m else ""))
-        print(f"saved {out}")
-        return 0
-    out = train(a)
-    meta = json.loads((out / "predictor.json").read_text())
-    for split, m in meta["metrics"].items():
-        print(f"{split}: accuracy with true hint {m['hint_true']['accuracy']:.4f}, "
-              f"without hint {m['hint_none']['accuracy']:.4f}"
-              + (f", task classifier {m['task_accuracy']:.4f}" if "task_accuracy" in m else ""))
+        miss = meta["auto_missing"]
+        lines = [(s, m["hint_true"], f"without task ({miss})", m[f"hint_{miss}"], m.get("task_accuracy_known"))
+                 for s, m in meta["metrics"].items()]
+    else:
+        out = train(a)
+        meta = json.loads((out / "predictor.json").read_text())
+        lines = [(s, m["hint_true"]["accuracy"], "without hint", m["hint_none"]["accuracy"], m.get("task_accuracy"))
+                 for s, m in meta["metrics"].items()]
+    with_what = "task" if a.kind == "ngram" else "hint"
+    for split, acc, without, acc_without, task in lines:
+        print(f"{split}: accuracy with true {with_what} {acc:.4f}, {without} {acc_without:.4f}"
+              + (f", task classifier {task:.4f}" if task is not None else ""))
     print(f"saved {out}")
     return 0
 

@@ -174,16 +174,23 @@ def evaluate(
             results[label] = grouped(eval_rows, y, np.array(out), nb)
         pred.ngram_weight = served
         if pred.task_model is not None:
-            guessed: list[str] = []
-            for k in range(0, len(batch), batch_size):
-                guessed.extend(pred.predict_tasks(batch[k: k + batch_size]))
-            ok = np.array([g == r.task for g, r in zip(guessed, eval_rows)])
-            report["task_accuracy"] = {
-                "overall": float(ok.mean()) if ok.size else 0.0,
-                "task": {t: float(ok[[r.task == t for r in eval_rows]].mean())
-                         for t in sorted({r.task for r in eval_rows})},
-            }
+            report["task_accuracy"] = task_accuracy(pred, batch, eval_rows, batch_size)
     return report
+
+
+def task_accuracy(pred, batch: Sequence[Item], eval_rows: Sequence, batch_size: int, *,
+                  known: Sequence[str] | None = None) -> dict:
+    """The task classifier's accuracy: overall, per task and, with ``known``, on the rows of those tasks."""
+    guessed: list[str] = []
+    for k in range(0, len(batch), batch_size):
+        guessed.extend(pred.predict_tasks(batch[k: k + batch_size]))
+    ok = np.array([g == r.task for g, r in zip(guessed, eval_rows)])
+    out: dict = {"overall": float(ok.mean()) if ok.size else 0.0}
+    if known is not None:
+        mask = np.array([r.task in known for r in eval_rows], dtype=bool)
+        out["known_tasks"] = float(ok[mask].mean()) if mask.any() else 0.0
+    out["task"] = {t: float(ok[[r.task == t for r in eval_rows]].mean()) for t in sorted({r.task for r in eval_rows})}
+    return out
 
 
 def _evaluate_ngram(pred, eval_rows, y, nb, batch, batch_size, results, report, progress) -> None:
@@ -205,17 +212,7 @@ def _evaluate_ngram(pred, eval_rows, y, nb, batch, batch_size, results, report, 
             grouped(eval_rows, y, np.array(out), nb)
     pred.hint = saved
     if pred.task_model is not None:
-        guessed: list[str] = []
-        for k in range(0, len(batch), batch_size):
-            guessed.extend(pred.predict_tasks(batch[k: k + batch_size]))
-        ok = np.array([g == r.task for g, r in zip(guessed, eval_rows)])
-        known = np.array([r.task in pred.tasks for r in eval_rows])
-        report["task_accuracy"] = {
-            "overall": float(ok.mean()) if ok.size else 0.0,
-            "known_tasks": float(ok[known].mean()) if known.any() else 0.0,
-            "task": {t: float(ok[[r.task == t for r in eval_rows]].mean())
-                     for t in sorted({r.task for r in eval_rows})},
-        }
+        report["task_accuracy"] = task_accuracy(pred, batch, eval_rows, batch_size, known=pred.tasks)
 
 
 def _pct(x: float) -> str:
