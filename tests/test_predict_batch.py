@@ -91,3 +91,15 @@ def test_a_cancelled_waiter_is_skipped():
 def test_max_batch_must_be_positive():
     with pytest.raises(ValueError, match="max_batch"):
         PredictionBatcher(lambda p: False, max_batch=0)
+
+
+def test_a_blocking_batch_failing_in_its_thread_fails_its_waiters():
+    rec = Recorder(fail=True)
+    b = PredictionBatcher(lambda p: True)
+
+    async def main():
+        return await asyncio.gather(b.predict(rec, ("a", 1, None)), b.predict(rec, ("b", 1, None)),
+                                    return_exceptions=True)
+
+    out = run(main())
+    assert all(isinstance(e, ValueError) for e in out) and rec.threads[0] != threading.main_thread().name

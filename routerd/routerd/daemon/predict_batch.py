@@ -66,7 +66,7 @@ class PredictionBatcher:
         self.batches += 1
         if self._is_blocking(predictor):
             task = asyncio.ensure_future(asyncio.to_thread(predictor.predict, items))
-            task.add_done_callback(lambda t: self._deliver(chunk, t.exception(), None if t.exception() else t.result()))
+            task.add_done_callback(lambda t: self._finished(chunk, t))
             return
         try:
             out = predictor.predict(items)
@@ -74,6 +74,15 @@ class PredictionBatcher:
             self._deliver(chunk, e, None)
             return
         self._deliver(chunk, None, out)
+
+    def _finished(self, chunk: list[_Pending], task: asyncio.Future) -> None:
+        """Hand a worker thread's result to the waiters (cancelled at shutdown: cancel them)."""
+        if task.cancelled():
+            for _, _, fut in chunk:
+                fut.cancel()
+            return
+        err = task.exception()
+        self._deliver(chunk, err, None if err is not None else task.result())
 
     @staticmethod
     def _deliver(chunk: list[_Pending], error: BaseException | None, out) -> None:
