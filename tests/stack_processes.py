@@ -19,6 +19,7 @@ sleeping a guessed time.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import re
 import signal
@@ -313,6 +314,26 @@ async def await_until(probe: Callable[[], Any], ok: Callable[[Any], bool], timeo
     deadline = time.monotonic() + timeout_s
     while True:
         value = await asyncio.to_thread(probe)
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout_s} s; last value: {value!r}")
+        await asyncio.sleep(interval_s)
+
+
+async def poll_until(probe: Callable[[], Any], ok: Callable[[Any], bool], timeout_s: float, what: str,
+                     interval_s: float = 0.02) -> Any:
+    """:func:`await_until` for a probe that runs on the event loop: a plain function (reading
+    in-process state) or one returning an awaitable (an RPC); returns the first value ``ok`` accepts.
+
+    Raises:
+        AssertionError: not reached in time; the message names ``what`` and the last value.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if inspect.isawaitable(value):
+            value = await value
         if ok(value):
             return value
         if time.monotonic() > deadline:

@@ -9,6 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from daemon_fakes import FakeSidecar, sample, start_daemon
+from stack_processes import poll_until
 from routerd.api.v1 import router_pb2, router_pb2_grpc
 from routerd.daemon.discovery import DiscoveredEndpoint
 
@@ -160,9 +161,8 @@ def test_sidecar_state_reaches_get_state_and_goes_stale():
                 assert not e.stale and e.instance_state.num_requests_running == 3
                 assert e.instance_state.kv_cache_usage == 0.5
                 await sc.stop()  # the sidecar dies: its state goes stale after max_age_s
-                await asyncio.sleep(0.5)
-                st = await a.stub.GetState(router_pb2.GetRouterStateRequest())
-                assert st.endpoints[0].stale
+                await poll_until(lambda: a.stub.GetState(router_pb2.GetRouterStateRequest()),
+                                 lambda s: s.endpoints[0].stale, 10.0, "endpoint e0 reported stale")
                 assert sample(a.d, "phasewise_endpoint_state_stale", endpoint="e0") == 0  # until refreshed
                 a.d.refresh_gauges()
                 assert sample(a.d, "phasewise_endpoint_state_stale", endpoint="e0") == 1

@@ -17,6 +17,7 @@ import pytest
 
 from daemon_fakes import FakeBackend, FakeSidecar, SilentServer, in_flight_samples, openai_client, sample, start_daemon
 from routerd.daemon.discovery import DiscoveredEndpoint
+from stack_processes import poll_until
 
 
 def run(coro):
@@ -438,8 +439,7 @@ def test_a_queued_request_waits_out_a_short_gap_without_endpoints():
         b = FakeBackend("b0")
         async with Cluster([b], endpoints=[], router={"no_endpoint_grace_s": 2.0}) as c:
             task = asyncio.create_task(c.client.completions.create(model="m", prompt="p", max_tokens=1))
-            await asyncio.sleep(0.1)
-            assert len(c.d.router.queue) == 1
+            await poll_until(lambda: len(c.d.router.queue), lambda n: n == 1, 10.0, "one request queued")
             c.d.apply_endpoints([DiscoveredEndpoint("b0", b.url)])
             r = await task
             assert r.choices[0].text == "t0 "
@@ -466,8 +466,8 @@ def test_a_full_router_queue_answers_429_and_cancelled_waiters_leave_it():
             c.d.router.set_policy(HoldAll(), "hold_all")
             waiting = [asyncio.create_task(c.client.completions.create(model="m", prompt="p", max_tokens=1))
                        for _ in range(2)]
-            await asyncio.sleep(0.2)
-            assert len(c.d.router.queue) == 2 and sample(c.d, "phasewise_router_queue_depth") == 2
+            await poll_until(lambda: len(c.d.router.queue), lambda n: n == 2, 10.0, "two requests queued")
+            assert sample(c.d, "phasewise_router_queue_depth") == 2
             with pytest.raises(openai.RateLimitError) as e:
                 await c.client.completions.create(model="m", prompt="p", max_tokens=1)
             assert e.value.response.headers["x-phasewise-reject-reason"] == "queue_full"
@@ -475,11 +475,8 @@ def test_a_full_router_queue_answers_429_and_cancelled_waiters_leave_it():
                 t.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)
             # The clients went away while queued: the queue empties (ray#37943).
-            for _ in range(100):
-                if not c.d.router.queue:
-                    break
-                await asyncio.sleep(0.01)
-            assert len(c.d.router.queue) == 0 and b.started == 0
+            await poll_until(lambda: len(c.d.router.queue), lambda n: n == 0, 10.0, "the queue emptied")
+            assert b.started == 0
             await _settle(c.d)
     run(main())
 

@@ -21,6 +21,7 @@ import openai
 import pytest
 import yaml
 from conftest import toy_profile
+from stack_processes import await_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from routerd.emulator.process import EmulatorProcess
@@ -224,8 +225,10 @@ def test_metrics_show_the_batch_during_load_and_add_up_after(timed):
     async def main():
         async with openai.AsyncOpenAI(base_url=timed.url + "/v1", api_key="x", max_retries=0) as client:
             tasks = [asyncio.create_task(one(client, i)) for i in range(k)]
-            await asyncio.sleep(0.25)
-            mid = await asyncio.to_thread(scrape, timed)
+            # Mid-run: two running and two waiting (the streams last ~1 s, 30 tokens each).
+            mid = await await_until(lambda: scrape(timed), lambda m: (_m(m, "vllm:num_requests_running"),
+                                    _m(m, "vllm:num_requests_waiting")) == (2, 2), 10.0,
+                                    "2 requests running and 2 waiting", interval_s=0.02)
             counts = await asyncio.gather(*tasks)
         return mid, counts
 
