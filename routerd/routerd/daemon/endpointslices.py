@@ -245,6 +245,7 @@ class EndpointSliceWatcher:
         from kubernetes import watch
 
         w = self._watch = watch.Watch()
+        stream = None
         try:
             if self._stop.is_set():
                 return rv
@@ -253,10 +254,11 @@ class EndpointSliceWatcher:
             timeout = int(self.watch_timeout_s * (1 + random.random() * 0.2))
             log.debug("watching EndpointSlices of %s/%s from resourceVersion %s for %d s",
                       self.namespace, self.service, rv, timeout)
-            for ev in w.stream(self._api.list_namespaced_endpoint_slice, self.namespace,
-                               label_selector=self._selector(), resource_version=rv,
-                               allow_watch_bookmarks=True, timeout_seconds=timeout,
-                               _request_timeout=(10, timeout + 30)):
+            stream = w.stream(self._api.list_namespaced_endpoint_slice, self.namespace,
+                              label_selector=self._selector(), resource_version=rv,
+                              allow_watch_bookmarks=True, timeout_seconds=timeout,
+                              _request_timeout=(10, timeout + 30))
+            for ev in stream:
                 kind, obj = ev.get("type"), ev.get("raw_object") or {}
                 rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
                 name = (obj.get("metadata") or {}).get("name")
@@ -272,6 +274,11 @@ class EndpointSliceWatcher:
                 self._deliver()
             return rv
         finally:
+            if stream is not None:
+                # A generator left suspended (this loop raised) keeps its response open until
+                # the garbage collector finds it; Watch.stop() has by then shut its TLS socket
+                # down, and it is reported unclosed (no peer address) in whatever runs next.
+                stream.close()
             self._watch = None
 
     def _deliver(self) -> None:
