@@ -131,7 +131,7 @@ def test_the_shipped_predictor_is_the_default_and_none_turns_it_off(tmp_path):
     d = Daemon(s)
     assert isinstance(d.predictor, NgramPredictor) and tuple(d.predictor.edges) == PREDICTOR_BUCKET_EDGES
     assert d.router.bucket_edges == PREDICTOR_BUCKET_EDGES
-    assert d._predictor_blocking is False  # numpy: predicted on the event loop
+    assert d._is_blocking(d.predictor) is False  # numpy: predicted on the event loop
     # Off by file, environment variable or flag.
     assert Daemon(load_settings(write(tmp_path, "predictor: none\n"), environ={})).predictor is None
     s = load_settings(None, environ={"PHASEWISE_PREDICTOR": "none"})

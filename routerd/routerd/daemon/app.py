@@ -131,7 +131,6 @@ class Daemon:
                         len(settings.endpoints))
         self.profile = built.profile
         self.predictor = built.predictor
-        self._predictor_blocking = self._is_blocking(self.predictor)
         self._batcher = PredictionBatcher(self._is_blocking)
         self.metrics = Metrics()
         self.router = Router(profile=self.profile, policy=built.policy, policy_name=built.policy_name,
@@ -458,7 +457,6 @@ class Daemon:
         self.profile = built.profile
         self.router.profile = built.profile
         self.predictor = built.predictor
-        self._predictor_blocking = self._is_blocking(built.predictor)
         self.router.bucket_edges = built.edges
         self.router.configure(settings.router, settings.state.max_age_s)
         self.router.failure_cooldown_s = settings.upstream.failure_cooldown_s
