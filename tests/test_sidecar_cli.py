@@ -1,4 +1,4 @@
-"""``phasewise sidecar`` as a real process: serving, clean exit on signals, one-line errors, CPU cost."""
+"""``phasewise sidecar`` as a real process: serving, clean exit on signals, one-line errors; the CPU benchmark runs."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import re
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 from test_sidecar import MetricsServer, eventually_state, health, run
+from conftest import load_benchmark
 from test_sidecar_metrics import vllm_page
 
 from routerd.api.v1 import instance_state_pb2_grpc
@@ -146,37 +146,14 @@ def test_a_restarted_sidecar_numbers_its_snapshots_above_the_previous_process():
     assert second > first > 0
 
 
-def _cpu_s(pid: int) -> float:
-    """utime + stime of a process (s), from /proc/PID/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-def test_cpu_cost_at_10_scrapes_per_second():
-    """The sidecar's CPU use at the default 0.1 s interval on a ~200-line page, one watcher attached."""
-    async def main():
-        metrics = await MetricsServer(vllm_page(running=4, waiting=1, kv=0.5)).start()
-        proc, port, _ = await _start_sidecar("--metrics-url", metrics.url, "--listen", "127.0.0.1:0",
-                                             "--instance", "cpu", env=_env())
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                call = instance_state_pb2_grpc.InstanceStateServiceStub(ch).WatchState(WatchStateRequest())
-                await call.read()
-                await asyncio.sleep(0.5)  # past start-up and the first scrapes
-                cpu0, t0, hits0 = _cpu_s(proc.pid), time.monotonic(), metrics.hits
-                while time.monotonic() - t0 < 3.0:
-                    await call.read()
-                cpu1, t1, hits1 = _cpu_s(proc.pid), time.monotonic(), metrics.hits
-                call.cancel()
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(proc.wait(), 10) == 0
-            await metrics.stop()
-        scrapes_per_s = (hits1 - hits0) / (t1 - t0)
-        cpu_percent = 100 * (cpu1 - cpu0) / (t1 - t0)
-        print(f"\nsidecar, one watcher attached: {scrapes_per_s:.1f} scrapes/s, CPU {cpu_percent:.1f}% of one core ({1000 * (cpu1 - cpu0) / max(hits1 - hits0, 1):.2f} ms per scrape)")
-        assert 8.5 <= scrapes_per_s <= 10.5
-        assert cpu_percent < 10.0  # measured about 2-3% on a loaded 2-core VM
-
-    run(main(), timeout_s=40)
+def test_cpu_benchmark_measures_a_scraping_sidecar():
+    """``benchmarks/sidecar_cpu.py`` (where the CPU figure now lives, issue 19) measures a real sidecar
+    process: its scrapes hit the page, its CPU is read from /proc, and the figures are consistent
+    with each other. No speed bound: a busy machine must not fail a test."""
+    bench = load_benchmark("sidecar_cpu")
+    fig = asyncio.run(asyncio.wait_for(bench.measure(vllm_page(running=4, waiting=1, kv=0.5), 1.0, 0.1), 40))
+    assert fig["scrapes_per_s"] > 0  # the sidecar scraped during the window
+    assert fig["cpu_percent"] > 0
+    # CPU per scrape times scrapes per second is CPU per second: the three figures agree.
+    assert fig["cpu_ms_per_scrape"] * fig["scrapes_per_s"] / 10 == pytest.approx(fig["cpu_percent"], rel=0.02)

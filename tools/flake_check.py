@@ -13,7 +13,9 @@ per test how many of the N runs it passed, and per run its wall time.
 Each run's outcomes come from a small pytest plugin (``-p``) that writes one JSON line per
 test: a test passes a run when its setup, call and teardown all passed; skipped when any
 phase skipped and none failed; missing when the run ended before it (a crash, the
-per-run timeout). Each run's output goes to ``--log-dir`` (a temporary folder by
+per-run timeout). ``--trace-leaks`` loads ``tools/leak_trace.py``, so that each
+``ResourceWarning: unclosed <socket ...>`` is reported with the test and the stack that
+created the socket. Each run's output goes to ``--log-dir`` (a temporary folder by
 default), named in the report for the runs that failed.
 
 The load processes spin in Python until ``--load-limit-s`` (default: 2 h) has passed or
@@ -95,13 +97,18 @@ def stop_load(procs: list[subprocess.Popen]) -> None:
 
 
 def run_once(i: int, node_ids: list[str], pytest_args: list[str], log_dir: Path, plugin_dir: Path,
-             timeout_s: float) -> tuple[int | None, float, dict[str, str], Path]:
-    """One pytest process over ``node_ids``: (exit code or None on timeout, wall s, {nodeid: outcome}, log)."""
+             timeout_s: float, trace_leaks: bool = False) -> tuple[int | None, float, dict[str, str], Path]:
+    """One pytest process over ``node_ids``: (exit code or None on timeout, wall s, {nodeid: outcome}, log).
+
+    With ``trace_leaks``, ``tools/leak_trace.py`` is loaded and writes ``runNNN.leaks``.
+    """
     out = log_dir / f"run{i:03d}.jsonl"
     log = log_dir / f"run{i:03d}.log"
-    env = {**os.environ, "FLAKE_CHECK_OUT": str(out),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(plugin_dir), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "flake_check_plugin", *pytest_args, *node_ids]
+    paths = [str(plugin_dir), str(REPO / "tools")] if trace_leaks else [str(plugin_dir)]
+    env = {**os.environ, "FLAKE_CHECK_OUT": str(out), "LEAK_TRACE_OUT": str(log_dir / f"run{i:03d}.leaks"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))}
+    plugins = ["-p", "flake_check_plugin", *(["-p", "leak_trace"] if trace_leaks else [])]
+    cmd = [sys.executable, "-m", "pytest", "-q", *plugins, *pytest_args, *node_ids]
     t0 = time.monotonic()
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=f,
@@ -134,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a run still going after this many seconds is killed; its unfinished tests count "
                         "as missing (default 3600)")
     p.add_argument("--log-dir", type=Path, default=None, help="where each run's output goes (default: a temp dir)")
+    p.add_argument("--trace-leaks", action="store_true",
+                   help="load tools/leak_trace.py: each unclosed-socket warning names the test and the stack "
+                        "that created the socket (in the run's log and in runNNN.leaks)")
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string, e.g. '-x -k status'")
     return p
 
@@ -163,10 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[str, Counter] = defaultdict(Counter)
     walls: list[float] = []
     failed_runs: list[tuple[int, Path]] = []
+    leak_files: list[Path] = []
     load = start_load(args.load, args.load_limit_s)
     try:
         for i in range(1, args.runs + 1):
-            rc, wall, outcomes, log = run_once(i, args.node_ids, pytest_args, log_dir, plugin_dir, args.timeout_s)
+            rc, wall, outcomes, log = run_once(i, args.node_ids, pytest_args, log_dir, plugin_dir, args.timeout_s,
+                                               args.trace_leaks)
             walls.append(wall)
             for nodeid, outcome in outcomes.items():
                 counts[nodeid][outcome] += 1
@@ -176,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{tally['failed']}  skipped {tally['skipped']}", flush=True)
             if rc not in (0, 5) or tally["failed"]:
                 failed_runs.append((i, log))
+            leaks = log.with_suffix(".leaks")
+            if leaks.exists():
+                n = leaks.read_text().count("leak-trace: ")
+                leak_files.append(leaks)
+                print(f"  {n} unclosed socket(s) traced to their creation: {leaks}", flush=True)
     finally:
         stop_load(load)
         shutil.rmtree(plugin_dir, ignore_errors=True)
@@ -198,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\nruns with failures (their output):")
         for i, log in failed_runs:
             print(f"  run {i}: {log}")
+    if leak_files:
+        print("\nunclosed sockets, with the test and stack that created each:")
+        for leaks in leak_files:
+            print(f"  {leaks}")
     if not counts:
         print("no test ran: check the node ids and the logs", file=sys.stderr)
         return 1

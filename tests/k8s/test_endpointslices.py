@@ -102,13 +102,12 @@ def test_list_then_watch_add_merge_terminate_delete(k8s_client, discovery, names
     rec.wait_for([_full("10.1.0.1", "vllm-0"), _full("10.1.0.2", "vllm-1", ready=False),
                   _full("10.1.0.3", "vllm-2")])
 
-    # vllm-0 starts terminating: ready=False is delivered at once.
-    t = time.monotonic()
+    # vllm-0 starts terminating: ready=False comes from the open watch (no list again, asserted
+    # below), so it arrives as soon as the API server sends it, far inside the 300 s watch timeout.
+    # No bound in seconds here (issue 19: a busy machine must not fail a test); the wait is bounded.
     discovery.patch_namespaced_endpoint_slice("vllm-a", namespace, {"endpoints": [
         _ep("10.1.0.1", "vllm-0", ready=False, terminating=True), _ep("10.1.0.2", "vllm-1", ready=False)]})
-    got = rec.wait_for(lambda eps: eps[0] == _full("10.1.0.1", "vllm-0", ready=False), timeout=5)
-    print(f"\nterminating delivered {got - t:.3f} s after the patch returned")
-    assert got - t < 2.0
+    rec.wait_for(lambda eps: eps[0] == _full("10.1.0.1", "vllm-0", ready=False), timeout=20)
 
     # Deleting a slice removes its endpoints.
     discovery.delete_namespaced_endpoint_slice("vllm-a", namespace)
@@ -134,10 +133,9 @@ def test_empty_service_is_reported_and_stop_is_prompt(k8s_client, namespace, wat
     rec = Recorder()
     w = _start(watchers, namespace, k8s_client, rec)
     assert rec.updates == [[]]
-    t = time.monotonic()
-    w.stop()
-    assert time.monotonic() - t < 2.0, "stop() must not wait for the watch timeout"
-    assert not w._thread.is_alive()
+    w.stop(timeout=10.0)
+    # Ended within stop()'s 10 s join, so it did not wait out the 300 s watch timeout.
+    assert not w._thread.is_alive(), "stop() must not wait for the watch timeout"
 
 
 class TcpProxy:
