@@ -28,7 +28,7 @@ class FakeBackend:
 
     def __init__(self, name: str = "b", *, ttft_s: float = 0.0, token_s: float = 0.0, default_tokens: int = 8,
                  die_after: int | None = None, die_mid_event: bool = True, split_events: bool = False, models=("m",),
-                 pad: int = 0) -> None:
+                 pad: int = 0, eol: bytes = b"\n") -> None:
         self.name = name
         self.ttft_s = ttft_s
         self.token_s = token_s
@@ -38,6 +38,8 @@ class FakeBackend:
         self.split_events = split_events
         self.pad = pad
         """Extra characters in every streamed token's text (to make big streams)."""
+        self.eol = eol
+        """SSE line ending of streamed events: LF (vLLM's), or CRLF / CR (the SSE specification allows both)."""
         self.tokens_sent = 0
         self.models = list(models)
         self.bodies: list[bytes] = []
@@ -49,6 +51,9 @@ class FakeBackend:
         self.max_active = 0
         self.gate: asyncio.Event | None = None
         """When set to an Event, generations wait on it before the first token."""
+        self.between_tokens_gate: asyncio.Event | None = None
+        """When set to an Event, streamed generations wait on it after the first token (before
+        each later one): a test holds a stream mid-way, deterministically, until it sets the Event."""
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -91,7 +96,7 @@ class FakeBackend:
         else:
             choice = {"index": 0, "text": text, "finish_reason": "length" if i == n - 1 else None}
             obj = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "choices": [choice]}
-        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+        return b"data: " + json.dumps(obj).encode() + self.eol * 2
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.read()
@@ -135,6 +140,8 @@ class FakeBackend:
                     request.transport.abort()
                     return resp
                 if i:
+                    if self.between_tokens_gate is not None:
+                        await self.between_tokens_gate.wait()
                     await asyncio.sleep(self.token_s)
                 ev = self._event(chat, i, n)
                 if self.split_events:
@@ -147,10 +154,10 @@ class FakeBackend:
             if usage_opt:
                 usage = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion", "choices": [],
                          "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}}
-                ev = b"data: " + json.dumps(usage).encode() + b"\n\n"
+                ev = b"data: " + json.dumps(usage).encode() + self.eol * 2
                 await resp.write(ev)
                 await asyncio.sleep(0.002)  # usage and [DONE] in separate chunks (GIE#1626)
-            await resp.write(b"data: [DONE]\n\n")
+            await resp.write(b"data: [DONE]" + self.eol * 2)
             await resp.write_eof()
             self.finished += 1
             return resp

@@ -177,7 +177,7 @@ def test_response_timeout_bounds_the_wait_for_the_head_even_while_bytes_trickle(
             await pool.request(target, "/x", [], b"")
         assert asyncio.get_running_loop().time() - t0 < 1.5
         await pool.close()
-        await asyncio.wait_for(finished.wait(), 2.0)
+        await asyncio.wait_for(finished.wait(), 10.0)
         server.close()
         await server.wait_closed()
     run(main())
@@ -196,7 +196,7 @@ def test_a_waiter_woken_then_cancelled_passes_the_free_slot_on():
             await asyncio.sleep(0.01)
             pool._forget(busy)  # frees the slot: wakes a
             a.cancel()  # ...which is cancelled before it runs
-            conn = await asyncio.wait_for(b, 2.0)  # b must get the slot, not wait forever
+            conn = await asyncio.wait_for(b, 10.0)  # b must get the slot, not wait forever
             assert a.cancelled() and conn is not None
             await pool.close()
     run(main())

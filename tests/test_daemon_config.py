@@ -45,7 +45,7 @@ def test_defaults_file_environment_and_flags_in_that_order(tmp_path):
     ("router: {action_interval_s: 0}\n", "config {p}: router.action_interval_s: Input should be greater than 0"),
     ("kubernetes: {enabled: true}\n",
      "config {p}: kubernetes: service is required when kubernetes discovery is enabled"),
-    ("http: [1, 2]\n", "config {p}: http: Input should be a valid dictionary or instance of ListenConfig"),
+    ("http: [1, 2]\n", "config {p}: http: Input should be a valid dictionary or instance of HttpConfig"),
     ("http: {port: 8000\n",
      "config {p}: invalid YAML at line 2, column 1: expected ',' or '}}', but got '<stream end>'"),
     ("- 1\n", "config {p}: the top level must be a mapping of settings, got list"),
@@ -95,9 +95,10 @@ def test_flags_become_overrides():
 
 
 def test_policy_profile_and_predictor_are_checked_at_start():
-    with pytest.raises(ConfigError, match="^policy: policy 'late_binding': field reserve_fraction"):
-        Daemon(load_settings(None, environ={}, overrides={"policy": {"name": "late_binding",
-                                                                     "params": {"reserve_fraction": 3}}}))
+    # A policy parameter is checked with the settings, so the error names where it came from.
+    with pytest.raises(ConfigError, match=r"^flag --policy: policy\.params\.reserve_fraction: "):
+        load_settings(None, environ={}, overrides={"policy": {"name": "late_binding", "params": {"reserve_fraction": 3}}},
+                      override_flags={"policy": "--policy"})
     with pytest.raises(ConfigError, match="^profile: "):
         Daemon(load_settings(None, environ={}, overrides={"profile": "no-such-profile"}))
     with pytest.raises(ConfigError, match="^predictor: unknown predictor 'nope'"):

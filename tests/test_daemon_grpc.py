@@ -114,8 +114,10 @@ def test_hold_reject_and_health():
     async def main():
         async with Api(endpoints=[], router={"action_interval_s": 0.05, "hold_idle_limit_s": 60}) as a:
             a.d.apply_endpoints([DiscoveredEndpoint("e0", "http://127.0.0.1:9")])
-            await asyncio.sleep(0.05)
-            check = await a.health.Check(health_pb2.HealthCheckRequest(service="phasewise.v1.RouterService"))
+            check = await poll_until(
+                lambda: a.health.Check(health_pb2.HealthCheckRequest(service="phasewise.v1.RouterService")),
+                lambda c: c.status == health_pb2.HealthCheckResponse.SERVING, 10.0,
+                "gRPC health of phasewise.v1.RouterService SERVING with a ready endpoint")
             assert check.status == health_pb2.HealthCheckResponse.SERVING
             a.d.router.set_policy(HoldAll(), "hold_all")
             r = await a.stub.Route(router_pb2.RouteRequest(request_id="h"))
@@ -124,8 +126,9 @@ def test_hold_reject_and_health():
             a.d.apply_endpoints([DiscoveredEndpoint("e0", "http://127.0.0.1:9", ready=False)])
             r = await a.stub.Route(router_pb2.RouteRequest(request_id="h"))
             assert r.decision == RR.REJECT and r.reason == "no_endpoint"
-            await asyncio.sleep(0.05)
-            check = await a.health.Check(health_pb2.HealthCheckRequest(service=""))
+            check = await poll_until(lambda: a.health.Check(health_pb2.HealthCheckRequest(service="")),
+                                     lambda c: c.status == health_pb2.HealthCheckResponse.NOT_SERVING, 10.0,
+                                     "gRPC server health NOT_SERVING with no ready endpoint")
             assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
     asyncio.run(main())
 
@@ -135,11 +138,8 @@ def test_an_unreported_grpc_request_is_released_after_the_timeout():
         async with Api(grpc={"host": "127.0.0.1", "port": 0, "report_timeout_s": 0.2}) as a:
             r = await a.stub.Route(router_pb2.RouteRequest(request_id="lost", prompt_tokens=5))
             assert r.decision == RR.DISPATCH and a.d.router.in_flight == 1
-            for _ in range(100):
-                await asyncio.sleep(0.02)
-                if a.d.router.in_flight == 0:
-                    break
-            assert a.d.router.in_flight == 0
+            await poll_until(lambda: a.d.router.in_flight, lambda n: n == 0, 10.0,
+                             "the unreported request released after report_timeout_s (router in_flight 0)")
             assert sample(a.d, "phasewise_grpc_unreported_total") == 1
             assert not (await a.stub.ReportCompletion(router_pb2.CompletionReport(request_id="lost"))).known
     asyncio.run(main())
@@ -152,11 +152,9 @@ def test_sidecar_state_reaches_get_state_and_goes_stale():
         try:
             async with Api(endpoints=[{"name": "e0", "url": "http://127.0.0.1:9", "state_address": sc.address}],
                            state={"max_age_s": 0.3}) as a:
-                for _ in range(200):
-                    st = await a.stub.GetState(router_pb2.GetRouterStateRequest())
-                    if not st.endpoints[0].stale:
-                        break
-                    await asyncio.sleep(0.02)
+                st = await poll_until(lambda: a.stub.GetState(router_pb2.GetRouterStateRequest()),
+                                      lambda s: not s.endpoints[0].stale, 10.0,
+                                      "endpoint e0's sidecar state received (not stale)")
                 e = st.endpoints[0]
                 assert not e.stale and e.instance_state.num_requests_running == 3
                 assert e.instance_state.kv_cache_usage == 0.5

@@ -158,8 +158,12 @@ async def _read_port(proc) -> int:
 
 def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_zero(tmp_path):
     async def main():
-        # 12 tokens of 0.25 s: the stream outlasts the wait below for routerd to start draining.
-        b0 = await FakeBackend("b0", token_s=0.25, default_tokens=12).start()
+        # The backend (in this process) holds the stream after its first token until the gate is
+        # set: it is in flight, whatever the machine's speed, through SIGTERM, the polls and the
+        # refused POST below (issue 19).
+        b0 = FakeBackend("b0", default_tokens=12)
+        b0.between_tokens_gate = asyncio.Event()
+        await b0.start()
         path = tmp_path / "routerd.yaml"
         path.write_text(_config([b0], {"name": "round_robin"}, drain_timeout_s=20))
         env = {**os.environ, "PYTHONPATH": str(ROOT / "routerd")}
@@ -186,6 +190,8 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_zero(tmp_p
                                       "routerd draining after SIGTERM (/readyz 503)")
                     async with s.post(base + "/v1/completions", data=body) as r2:
                         assert r2.status == 503 and r2.headers["x-phasewise-reject-reason"] == "draining"
+                    assert b0.active == 1 and b0.tokens_sent == 1  # still mid-stream while draining
+                    b0.between_tokens_gate.set()
                     async for line in r.content:
                         events.append(line)
                 data = [e for e in events if e.startswith(b"data: ")]

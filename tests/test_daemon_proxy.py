@@ -24,7 +24,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def _settle(d, timeout=2.0):
+async def _settle(d, timeout=10.0):
     """Wait until every in-flight gauge and the queue are back at zero (they must get there)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < deadline:
@@ -239,10 +239,9 @@ def test_sidecar_state_steers_a_state_aware_policy():
             async with Cluster(backends, endpoints=[], policy={"name": "late_binding"}) as c:
                 c.d.apply_endpoints([DiscoveredEndpoint(b.name, b.url, sc.address)
                                      for b, sc in zip(backends, sidecars)])
-                for _ in range(200):
-                    if all(not ep.is_stale(c.d.router.clock(), 2.0) for ep in c.d.router.endpoints):
-                        break
-                    await asyncio.sleep(0.02)
+                await poll_until(lambda: [ep.is_stale(c.d.router.clock(), 2.0) for ep in c.d.router.endpoints],
+                                 lambda stale: len(stale) == 2 and not any(stale), 15.0,
+                                 "fresh sidecar state for both endpoints (is_stale per endpoint)")
                 for _ in range(4):
                     await c.client.completions.create(model="m", prompt="p", max_tokens=1)
                 assert [b.started for b in backends] == [0, 4]
@@ -294,21 +293,19 @@ def test_client_disconnect_cancels_the_upstream_request(stream):
                         await asyncio.sleep(10)
 
             task = asyncio.create_task(client())
-            for _ in range(200):
-                await asyncio.sleep(0.01)
-                if b.active and (not stream or c.d.router.by_name["b0"].requests and
-                                 next(iter(c.d.router.by_name["b0"].requests.values())).first_token):
-                    break
-            assert b.active == 1
+
+            def upstream_running():
+                reqs = c.d.router.by_name["b0"].requests
+                return b.active == 1 and (not stream or bool(reqs) and next(iter(reqs.values())).first_token)
+
+            await poll_until(upstream_running, bool, 15.0,
+                             "the request running on b0 (and its first token seen by routerd when streamed)")
             task.cancel()
             try:
                 await task
             except asyncio.CancelledError:
                 pass
-            for _ in range(200):
-                if b.cancelled:
-                    break
-                await asyncio.sleep(0.01)
+            await poll_until(lambda: b.cancelled, lambda n: n >= 1, 15.0, "b0's generation cancelled by routerd")
             assert b.cancelled == 1 and b.finished == 0
             assert sample(c.d, "phasewise_client_disconnects_total") == 1
             await _settle(c.d)
@@ -324,8 +321,11 @@ def test_a_slow_client_pushes_back_on_the_instance_and_loses_nothing():
             writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             await writer.drain()
-            await asyncio.sleep(0.5)  # read nothing: once its buffer is full, routerd stops reading the instance
-            conns = list(c.d.proxy.pool._open)
+            # Read nothing: once its buffer is full, routerd stops reading the instance.
+            conns = await poll_until(lambda: list(c.d.proxy.pool._open),
+                                     lambda cs: len(cs) == 1 and not cs[0].tr.is_reading(), 15.0,
+                                     "routerd's one upstream connection paused (not reading) for a client "
+                                     "that reads nothing")
             assert len(conns) == 1 and not conns[0].tr.is_reading()
             assert c.d.router.by_name["b0"].in_flight == 1
             data = bytearray()
@@ -507,7 +507,8 @@ def test_a_failing_policy_fails_open_to_round_robin(caplog):
 
 def test_removed_endpoint_series_disappear_after_its_requests_finish():
     async def main():
-        b0, b1 = FakeBackend("b0", token_s=0.02, default_tokens=10), FakeBackend("b1")
+        b0, b1 = FakeBackend("b0", default_tokens=10), FakeBackend("b1")
+        b0.between_tokens_gate = asyncio.Event()  # b0's stream stays after its first token until set
         async with Cluster([b0, b1], endpoints=[]) as c:
             c.d.apply_endpoints([DiscoveredEndpoint("b0", b0.url), DiscoveredEndpoint("b1", b1.url)])
             stream = await c.client.completions.create(model="m", prompt="p", max_tokens=10, stream=True)
@@ -518,6 +519,7 @@ def test_removed_endpoint_series_disappear_after_its_requests_finish():
             await c.client.completions.create(model="m", prompt="p", max_tokens=1)
             assert b1.started == 1
             assert in_flight_samples(c.d)["b0"] == 1
+            b0.between_tokens_gate.set()
             rest = [ch.choices[0].text async for ch in stream]
             assert len(rest) == 9
             await _settle(c.d)
@@ -624,5 +626,36 @@ def test_routerd_without_a_predictor_setting_predicts_with_the_shipped_model():
                     assert sample(c.d, "phasewise_predicted_bucket_total", predicted=str(b),
                                   actual=actual) == buckets.count(b)
                 assert sample(c.d, "phasewise_predicted_bucket_total", predicted="none", actual=actual) == 0
+            await _settle(c.d)
+    run(main())
+
+
+@pytest.mark.parametrize("eol", [b"\r\n", b"\r"])
+def test_tokens_are_counted_in_crlf_and_cr_streams(eol):
+    """The SSE specification ends lines with CRLF, LF or CR (issue 15: `\\r\\n\\r\\n` events were not
+    counted). Events split across chunks too: a CRLF can straddle two reads."""
+    async def main():
+        async with Cluster([FakeBackend("b0", eol=eol, split_events=True)]) as c:
+            stream = await c.client.completions.create(model="m", prompt="p", max_tokens=9, stream=True,
+                                                       stream_options={"include_usage": True})
+            texts = [ch.choices[0].text async for ch in stream if ch.choices]
+            assert texts == [f"t{i} " for i in range(9)]
+            assert sample(c.d, "phasewise_generation_tokens_total") == 9
+            await _settle(c.d)
+    run(main())
+
+
+def test_hop_by_hop_headers_and_those_named_in_connection_are_not_forwarded():
+    async def main():
+        async with Cluster([FakeBackend("b0")]) as c:
+            body = json.dumps({"model": "m", "prompt": "p", "max_tokens": 2}).encode()
+            status, _, _ = await _post(c.base, "/v1/completions", body, headers={
+                "Content-Type": "application/json", "Connection": "keep-alive, X-Hop-Secret",
+                "X-Hop-Secret": "for this hop only", "Keep-Alive": "timeout=5", "TE": "trailers",
+                "X-End-To-End": "kept"})
+            assert status == 200
+            seen = {k.lower(): v for k, v in c.backends[0].headers[-1].items()}
+            assert seen.get("x-end-to-end") == "kept"
+            assert "x-hop-secret" not in seen and "te" not in seen and "keep-alive" not in seen
             await _settle(c.d)
     run(main())

@@ -6,10 +6,12 @@ import asyncio
 import time
 
 import pytest
+from pydantic import ValidationError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import policy_params, toy_profile
+from stack_processes import poll_until
 from routerd.api.v1.instance_state_pb2 import InstanceState
 from routerd.daemon.config import PolicyConfig, RouterConfig
 from routerd.daemon.discovery import DiscoveredEndpoint
@@ -132,13 +134,15 @@ def test_late_binding_holds_until_a_completion_frees_kv_then_redecides():
         await r.dispatch(big)
         second = r.new_request(300, 0)  # 300 + 125 -> 27 blocks: does not fit beside the first
         task = asyncio.create_task(r.dispatch(second))
-        await asyncio.sleep(0.05)
+        # Decided again on each action interval.
+        await poll_until(lambda: value(r, "phasewise_holds_total"), lambda n: n >= 2, 10.0,
+                         "two hold decisions (phasewise_holds_total >= 2)")
         assert not task.done() and len(r.queue) == 1
-        assert value(r, "phasewise_holds_total") >= 2  # decided again on each action interval
+        released = r.clock()
         r.finish(big)  # the completion frees the KV: decided at once
-        ep = await asyncio.wait_for(task, 1.0)
+        ep = await asyncio.wait_for(task, 10.0)
         assert ep.name == "e0" and len(r.queue) == 0
-        assert r.decisions[-1][5] >= 0.04  # router wait recorded
+        assert r.decisions[-1][5] >= released - second.enqueued_at > 0  # router wait recorded: the whole hold
         r.finish(second)
         r.close()
     asyncio.run(main())
@@ -149,7 +153,7 @@ def test_holding_an_idle_cluster_is_overridden_after_the_limit():
         r = make_router(action_interval_s=0.01, hold_idle_limit_s=0.05)
         r.set_policy(HoldAll(), "hold_all")
         req = r.new_request(5, None)
-        ep = await asyncio.wait_for(r.dispatch(req), 2.0)
+        ep = await asyncio.wait_for(r.dispatch(req), 10.0)
         assert ep.name in ("e0", "e1")
         assert value(r, "phasewise_fallbacks_total", reason="hold_idle") == 1
         assert r.decisions[-1][7] is True and r.decisions[-1][5] >= 0.05
@@ -273,10 +277,16 @@ def test_dqn_is_built_for_its_checkpoint_and_rejects_a_bad_one(tmp_path):
     assert pol.ctx.num_instances == 4  # routes round robin itself while the cluster has 2
     with pytest.raises(ConfigError, match="policy: dqn"):
         build_routing_policy(PolicyConfig(name="dqn", params={"checkpoint": str(tmp_path)}), toy_profile(), 2)
+    # Unknown names and bad parameters are refused by the settings model itself (naming the
+    # field and where it came from, test_daemon_config_safety.py); built without it, the
+    # registry still refuses them.
+    with pytest.raises(ValidationError, match="unknown policy 'nope'"):
+        PolicyConfig(name="nope")
     with pytest.raises(ConfigError, match="unknown policy"):
-        build_routing_policy(PolicyConfig(name="nope"), toy_profile(), 2)
+        build_routing_policy(PolicyConfig.model_construct(name="nope", params={}), toy_profile(), 2)
     with pytest.raises(ConfigError, match="reserve_fraction"):
-        build_routing_policy(PolicyConfig(name="late_binding", params={"reserve_fraction": "2"}), toy_profile(), 2)
+        build_routing_policy(PolicyConfig.model_construct(name="late_binding", params={"reserve_fraction": "2"}),
+                             toy_profile(), 2)
 
 
 def test_numpy_choices_are_accepted_and_dqn_on_another_cluster_size_is_counted(caplog):

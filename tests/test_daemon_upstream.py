@@ -197,7 +197,7 @@ def test_the_connection_limit_queues_requests():
             assert not second.done()
             assert await ex.read() == b"ok"
             ex.release()  # pooled: the waiter takes the same connection
-            ex2 = await asyncio.wait_for(second, 1.0)
+            ex2 = await asyncio.wait_for(second, 10.0)
             assert await ex2.read() == b"ok"
             ex2.abort()
             assert pool.open_connections == 0

@@ -242,13 +242,16 @@ def test_a_timer_firing_early_never_stalls_the_engine():
     # deadline and apply that iteration at the deadline. A request arriving right after
     # (loop clock still before the deadline) must not cut the decode segment behind the
     # iteration already delivered: that once left the engine waiting forever.
-    prof = _fast_profile()
+    # Iterations of ~0.1 s: the test wakes after token 3 and fires the next tick by hand,
+    # which must still be before that tick's deadline; a few ms of preemption on a loaded
+    # machine cannot use up a whole iteration (issue 19).
+    prof = _fast_profile(overhead_s=0.1)
     rec = Recorder()
 
     async def main():
         eng = SimEngine(prof, rec)
         loop = asyncio.get_running_loop()
-        a = eng.submit(30, 60)
+        a = eng.submit(30, 12)
         await a.wait(3)  # decoding: a multi-iteration segment is in flight
         assert eng.inst.seg_K > 1
         deadline = eng._timer_t
@@ -256,13 +259,14 @@ def test_a_timer_firing_early_never_stalls_the_engine():
         eng._timer = None
         eng._tick()  # fired "early": the loop clock is before the deadline
         assert loop.time() < deadline
-        b = eng.submit(20, 10)
-        await asyncio.wait_for(asyncio.gather(a.wait_done(), b.wait_done()), 5)
+        b = eng.submit(20, 4)
+        # ~1.5 s of simulated work; a stalled engine never finishes.
+        await asyncio.wait_for(asyncio.gather(a.wait_done(), b.wait_done()), 30)
         eng.close()
         return a, b
 
     a, b = asyncio.run(main())
-    assert a.generated == 60 and b.generated == 10
-    expected, _ = _offline(prof, [(a.arrival_s, 30, 60), (b.arrival_s, 20, 10)])
+    assert a.generated == 12 and b.generated == 4
+    expected, _ = _offline(prof, [(a.arrival_s, 30, 12), (b.arrival_s, 20, 4)])
     assert [a.first_token_s, a.finish_s] == pytest.approx(expected[0][:2], abs=1e-9)
     assert [b.first_token_s, b.finish_s] == pytest.approx(expected[1][:2], abs=1e-9)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import socket
 import subprocess
 import sys
@@ -92,13 +91,21 @@ def _post(emu, path: str, body: bytes | str, method: str = "POST") -> tuple[int,
             return e.code, json.loads(e.read())
 
 
-def _wait_idle(emu, timeout_s: float = 5.0) -> dict:
+def _wait_idle(emu, timeout_s: float = 30.0) -> dict:
+    """The ``/metrics`` samples once no request runs or waits.
+
+    Raises:
+        AssertionError: still busy after ``timeout_s`` seconds (the message gives the counts).
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         m = scrape(emu)
-        if (_m(m, "vllm:num_requests_running") == 0 and _m(m, "vllm:num_requests_waiting") == 0) \
-                or time.monotonic() > deadline:
+        busy = (_m(m, "vllm:num_requests_running"), _m(m, "vllm:num_requests_waiting"))
+        if busy == (0, 0):
             return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"emulator idle (no request running or waiting): not reached within {timeout_s} s;"
+                                 f" last (running, waiting) = {busy}")
         time.sleep(0.05)
 
 
@@ -143,16 +150,12 @@ def test_streamed_token_times_follow_the_profile(timed):
     assert delta("vllm:time_to_first_token_seconds_sum") == pytest.approx(3 * ttft, rel=1e-6)
     assert delta("vllm:inter_token_latency_seconds_sum") == pytest.approx(3 * sum(gaps), rel=1e-6)
     assert delta("vllm:e2e_request_latency_seconds_sum") == pytest.approx(3 * (ttft + sum(gaps)), rel=1e-6)
-    # Client side: a token is never early (uvloop timers may fire 0.5 ms ahead); it is
-    # late by HTTP and scheduling delays, which on a loaded machine come in bursts:
-    # the best of three runs shows the server's real-time pacing.
+    # Client side: a token is never early (uvloop timers may fire 0.5 ms ahead). How late it
+    # is depends on HTTP and scheduling delays, not on the emulator: no upper bound here
+    # (issue 19); client-observed TTFT and inter-token gaps are printed by
+    # benchmarks/emulator_cpu.py.
     for times in runs:
-        assert all(t >= ttft + sum(gaps[:k]) - 0.002 for k, t in enumerate(times))
-    best = min(runs, key=lambda ts: max(abs(t - ttft - sum(gaps[:k])) for k, t in enumerate(ts)))
-    assert best[0] <= ttft + 0.03
-    measured = [b - a for a, b in zip(best, best[1:])]
-    assert best[-1] - best[0] == pytest.approx(sum(gaps), abs=0.012)
-    assert statistics.median(abs(m - g) for m, g in zip(measured, gaps)) < 0.006, (measured, gaps)
+        assert all(t >= ttft + sum(gaps[:k]) - 0.002 for k, t in enumerate(times)), (times, ttft, gaps)
 
 
 def test_non_streaming_completion_and_chat_count_tokens_exactly(timed):
@@ -298,7 +301,9 @@ def test_client_disconnect_aborts_the_request(timed):
     assert _m(after, "vllm:request_success_total", finished_reason="abort") \
         - _m(before, "vllm:request_success_total", finished_reason="abort") == 1
     # Non-streaming: the client times out and closes the connection.
-    with _client(timed, timeout=0.3) as client:
+    # 2 s: long enough for the request to be submitted on a loaded machine, far short of the
+    # ~9 s that 400 tokens take, so the client always times out mid-request.
+    with _client(timed, timeout=2.0) as client:
         with pytest.raises(openai.APITimeoutError):
             client.completions.create(model="toy-model", prompt="abcd" * 10, max_tokens=400)
     after2 = _wait_idle(timed)
@@ -360,14 +365,11 @@ def test_fixed_timing_holds_under_concurrency():
             sent = time.perf_counter()  # before the request exists: a lower bound for the server's clock
             stream = await client.chat.completions.create(model="env-model", max_tokens=n, stream=True,
                                                           messages=[{"role": "user", "content": "hi"}])
-            # The emulator answers with headers as it takes the request: TTFT is timed from
-            # their arrival, so the client's own CPU time for concurrent calls is left out.
-            t0 = time.perf_counter()
             times = []
             async for ch in stream:
                 if ch.choices and ch.choices[0].delta.content:
                     times.append(time.perf_counter())
-            return sent, t0, times
+            return sent, times
 
         async def main():
             async with openai.AsyncOpenAI(base_url=emu.url + "/v1", api_key="x", max_retries=0) as client:
@@ -377,14 +379,12 @@ def test_fixed_timing_holds_under_concurrency():
 
         results = asyncio.run(main())
         m = _wait_idle(emu)
-    assert all(len(t) == n for _, _, t in results)
+    assert all(len(t) == n for _, t in results)
     # Never early (uvloop timers may fire 0.5 ms ahead): token j at or after send + TTFT + j * TPOT.
-    assert all(t - sent >= ttft + j * tpot - 0.002 for sent, _, ts in results for j, t in enumerate(ts))
-    # Client-side TTFT and pacing, with the client's own scheduling delay on a loaded
-    # machine; the exact engine-side values are the histogram sums checked below.
-    assert ttft - 0.01 <= statistics.median(ts[0] - t0 for _, t0, ts in results) <= ttft + 0.05
-    gaps = [b - a for _, _, ts in results for a, b in zip(ts, ts[1:])]
-    assert tpot - 0.001 <= statistics.median(gaps) <= 1.5 * tpot
+    assert all(t - sent >= ttft + j * tpot - 0.002 for sent, ts in results for j, t in enumerate(ts))
+    # Client-side TTFT and pacing carry the client's own scheduling delay: no wall-clock
+    # bounds on them here (issue 19); benchmarks/emulator_cpu.py prints their p50 against
+    # the configured fixed timing. The exact engine-side values are the histogram sums below.
     assert _m(m, "vllm:request_success_total", finished_reason="length") == k
     assert _m(m, "vllm:inter_token_latency_seconds_sum") == pytest.approx(k * (n - 1) * tpot, rel=1e-6)
     assert _m(m, "vllm:time_to_first_token_seconds_sum") == pytest.approx(k * ttft, rel=1e-6)

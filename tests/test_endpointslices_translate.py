@@ -136,3 +136,15 @@ def test_stop_closes_only_the_api_client_the_watcher_built(monkeypatch):
     w2.start()
     w2.stop()
     assert given.closed == 0  # the caller's client stays the caller's to close
+
+
+@pytest.mark.parametrize("bad", ["", " ", "vllm-0.example", "10.0.0.300", "http://10.0.0.9", None, 7])
+def test_an_entry_without_an_ip_address_is_skipped_and_named(bad):
+    """Issue 15: an empty or non-IP address became a ready endpoint dialled as ``http://:8720``."""
+    skipped: list[str] = []
+    got = endpoints_from_slices([sl("s1", [ep(bad, "vllm-bad", ready=True), ep("10.0.0.8", "vllm-ok", ready=True)])],
+                                skipped=skipped)
+    assert got == [E("vllm-ok", "http://10.0.0.8:8000", "10.0.0.8:50051", True)]
+    assert skipped == [f"EndpointSlice s1: endpoint address {bad!r} is not an IP address"]
+    ipv6 = endpoints_from_slices([sl("s6", [ep("fd00::7", "v6", ready=True)], family="IPv6")])
+    assert ipv6 == [E("v6", "http://[fd00::7]:8000", "[fd00::7]:50051", True)]  # IPv6 is an IP address

@@ -200,6 +200,7 @@ def test_seeds_whose_sample_indices_collide_are_refused(tmp_path, seed, extra, n
     assert lines == []
 
 
+@pytest.mark.usefixtures("data_dir")  # reads the shared traces: skipped without them
 def test_train_cli_bad_seed_is_one_line(capsys):
     pytest.importorskip("torch")
     from routerd.cli import main
@@ -209,6 +210,7 @@ def test_train_cli_bad_seed_is_one_line(capsys):
     assert len(err.splitlines()) == 1 and "seed" in err
 
 
+@pytest.mark.usefixtures("data_dir")  # reads the shared traces: skipped without them
 @pytest.mark.parametrize("argv, want", [
     # No recipe: the CLI's own defaults (30 episodes, exploration over 20, no demonstrations).
     ([], dict(episodes=30, explore_episodes=20, demo_policy=None, select_samples=0, pretrain_loss="dqfd")),

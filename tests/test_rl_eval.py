@@ -184,6 +184,7 @@ def test_trace_setting_without_data_is_refused_before_any_setting_runs(tmp_path,
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.usefixtures("data_dir")  # reads the shared traces: skipped without them
 def test_held_out_part_shorter_than_requests_is_a_usage_error_in_validate(tmp_path):
     from routerd.rl import splits
 

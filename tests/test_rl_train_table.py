@@ -12,6 +12,7 @@ pytest.importorskip("gymnasium")  # routerd.rl.train (used by --pick) needs the 
 table = load_benchmark("rl_train_table")
 
 
+@pytest.mark.usefixtures("data_dir")  # reads the shared traces: skipped without them
 def test_pick_ranks_finished_runs_on_training_part_validation(tmp_path, capsys):
     split_checkpoint(tmp_path / "paper-baseline-m2-s0", 2, -1.0, profile="llama2-7b-v100")
     split_checkpoint(tmp_path / "bc-workload-guided-m2-s1", 2, 0.2, profile="llama2-7b-v100")
@@ -26,6 +27,7 @@ def test_pick_ranks_finished_runs_on_training_part_validation(tmp_path, capsys):
         table.pick(str(tmp_path), 8)
 
 
+@pytest.mark.usefixtures("data_dir")  # reads the shared traces: skipped without them
 def test_pick_skips_an_unusable_run_with_a_note(tmp_path, capsys):
     split_checkpoint(tmp_path / "bc-workload-guided-m2-s1", 2, 0.2, profile="llama2-7b-v100")
     bad = tmp_path / "paper-baseline-m2-s0"

@@ -228,7 +228,8 @@ def _routerd_count(s: Stack, send: Callable[[], None]) -> float:
     them as the stream ends); the stream must not count as a client disconnect."""
     before = _counters(s)
     send()
-    after = wait_until(lambda: _counters(s), lambda v: v[0] != before[0], 10, "routerd counting the stream")
+    after = wait_until(lambda: _counters(s), lambda v: v[0] != before[0], TIMEOUT_S,
+                       "routerd counting the stream")
     assert after[1] == before[1], "a stream read to its end counted as a client disconnect"
     return after[0] - before[0]
 

@@ -10,16 +10,17 @@ timeouts. This plugin does the one thing needed, cheaply:
   (file and line pairs, pytest's and pluggy's own frames left out; microseconds, no
   source lines read);
 * a ``sys.unraisablehook`` wrapper, put on top of pytest's own around each test, writes for
-  each unclosed-socket ``ResourceWarning`` the creation test and stack to ``$LEAK_TRACE_OUT``
-  (default ``leak-trace.log`` in the working directory) and to stderr, then passes the
-  event on to pytest unchanged: the warning is reported (and fails the test under
+  each unclosed-socket ``ResourceWarning`` the creation test and stack to stderr (captured
+  into the failing test's report) and, when ``$LEAK_TRACE_OUT`` names a file, to it; then it
+  passes the event on to pytest unchanged: the warning is reported (and fails the test under
   ``filterwarnings = error``) exactly as without the plugin.
 
 Asyncio transports (``unclosed transport <_SelectorSocketTransport fd=N>``) wrap a socket
 made by ``socket.socket`` too; their socket's own warning carries the stack.
 
-Use: ``PYTHONPATH=tools python -m pytest -p leak_trace ...`` or
-``python tools/flake_check.py --trace-leaks ...``. Not loaded by default.
+This project's test suite loads it always (``tests/conftest.py``), so that a chance leak in CI
+names its source; elsewhere: ``PYTHONPATH=tools python -m pytest -p leak_trace ...``.
+``python tools/flake_check.py --trace-leaks`` also collects the reports per run.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ def _report(unraisable) -> None:
     lines += [f"    {file}:{line}" for file, line in frames]
     text = "\n".join(lines) + "\n"
     sys.stderr.write(text)
-    with open(os.environ.get("LEAK_TRACE_OUT", "leak-trace.log"), "a") as out:
-        out.write(text)
+    path = os.environ.get("LEAK_TRACE_OUT")
+    if path:
+        with open(path, "a") as out:
+            out.write(text)
 
 
 def pytest_configure(config) -> None:

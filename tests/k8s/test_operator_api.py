@@ -300,7 +300,8 @@ def test_status_follows_the_instances(k8s, kube, operator, namespace, kcm):
 
 def test_changes_follow_and_only_start_settings_restart_routerd(k8s, kube, operator, namespace, kcm):
     apply(k8s, namespace, pool_yaml("ch", engine={"replicas": 1}))
-    wait_for(lambda: (pool(kube, namespace, "ch").get("status") or {}).get("observedGeneration") == 1)
+    wait_for(lambda: (pool(kube, namespace, "ch").get("status") or {}).get("observedGeneration") == 1,
+             what="pool ch's first status write (status.observedGeneration 1)")
     dep0 = kube.get("apps/v1", "Deployment", namespace, "ch-routerd")
     cm0 = kube.get("v1", "ConfigMap", namespace, "ch-routerd")
     k8s.kubectl("scale", "-n", namespace, "llmrouterpool/ch", "--replicas=3")
@@ -330,13 +331,15 @@ def test_bad_content_is_degraded_not_a_crash_loop(k8s, kube, operator, namespace
     assert d["reason"] == "InvalidSpec" and d["message"].startswith("spec.routing.params.reserve_fraction:")
     assert kube.get("apps/v1", "Deployment", namespace, "deg-engine") is None
     # The handler's own writes (status, kopf's bookkeeping) may land after the condition: take
-    # the version once it stands still, then check that nothing retries the permanent error.
+    # the version once it stands still for as long as the check below watches it (a shorter
+    # settle window could pass between two late writes), then check that nothing retries the
+    # permanent error.
     def settled():
         a = pool(kube, namespace, "deg")["metadata"]["resourceVersion"]
-        time.sleep(1.5)
+        time.sleep(3.0)
         return a if pool(kube, namespace, "deg")["metadata"]["resourceVersion"] == a else None
 
-    rv = wait_for(settled, timeout=30.0, what="the pool's writes to settle")
+    rv = wait_for(settled, timeout=60.0, what="the pool's resourceVersion unchanged for 3 s (its writes settled)")
     time.sleep(3)  # a permanent error is not retried: nothing rewrites the pool
     assert pool(kube, namespace, "deg")["metadata"]["resourceVersion"] == rv
     k8s.kubectl("patch", "-n", namespace, "llmrouterpool/deg", "--type=merge", "-p",
@@ -372,7 +375,8 @@ def test_delete_cascades(k8s, kube, operator, namespace, kcm):
 
 def test_restart_adopts_and_duplicates_nothing(k8s, kube, operator, namespace):
     apply(k8s, namespace, pool_yaml("keep", engine={"replicas": 2}))
-    wait_for(lambda: (pool(kube, namespace, "keep").get("status") or {}).get("observedGeneration") == 1)
+    wait_for(lambda: (pool(kube, namespace, "keep").get("status") or {}).get("observedGeneration") == 1,
+             what="pool keep's first status write (status.observedGeneration 1)")
     before = {k: (o["metadata"]["uid"], o["metadata"].get("generation"))
               for k, o in children(kube, namespace, "keep").items()}
     operator.stop()
@@ -447,7 +451,8 @@ def test_profile_job_writes_the_fitted_profile_into_the_pool(k8s, kube, operator
     from phasewise_operator import report
 
     apply(k8s, namespace, pool_yaml("fitme", engine={"replicas": 1}))
-    wait_for(lambda: (pool(kube, namespace, "fitme").get("status") or {}).get("observedGeneration") == 1)
+    wait_for(lambda: (pool(kube, namespace, "fitme").get("status") or {}).get("observedGeneration") == 1,
+             what="pool fitme's first status write (status.observedGeneration 1)")
     apply(k8s, namespace, _job("fit-1", "fitme", "profile"))
     j = wait_for(lambda: (lambda o: o if (o.get("status") or {}).get("phase") == "Pending" else None)(
         _job_obj(kube, namespace, "fit-1")), what="Pending without a ready instance")
@@ -488,7 +493,8 @@ def test_train_job_writes_the_checkpoint_into_the_pool(k8s, kube, operator, name
     from phasewise_operator import report
 
     apply(k8s, namespace, pool_yaml("learn", engine={"replicas": 2}))
-    wait_for(lambda: (pool(kube, namespace, "learn").get("status") or {}).get("observedGeneration") == 1)
+    wait_for(lambda: (pool(kube, namespace, "learn").get("status") or {}).get("observedGeneration") == 1,
+             what="pool learn's first status write (status.observedGeneration 1)")
     routerd0 = kube.get("apps/v1", "Deployment", namespace, "learn-routerd")
     apply(k8s, namespace, _job("train-1", "learn", "train", train={"episodes": 2}))
     batch = wait_for(lambda: kube.get("batch/v1", "Job", namespace, "train-1"), timeout=30, what="batch Job")
@@ -552,7 +558,8 @@ def test_rendered_stack_serves_and_reloads_a_policy_change(k8s, kube, operator, 
     from test_operator_local_stack import Stack, check_requests, wait_reloaded
 
     apply(k8s, namespace, pool_yaml("live", engine={"replicas": 2}, routing={"policy": "least_outstanding_tokens"}))
-    wait_for(lambda: (pool(kube, namespace, "live").get("status") or {}).get("observedGeneration") == 1)
+    wait_for(lambda: (pool(kube, namespace, "live").get("status") or {}).get("observedGeneration") == 1,
+             what="pool live's first status write (status.observedGeneration 1)")
     cm = kube.get("v1", "ConfigMap", namespace, "live-routerd")
     stack = Stack(cm, kube.get("apps/v1", "Deployment", namespace, "live-engine"),
                   kube.get("apps/v1", "Deployment", namespace, "live-routerd"), tmp_path)

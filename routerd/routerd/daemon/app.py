@@ -26,6 +26,7 @@ from routerd.errors import ConfigError
 from routerd.model import PREDICTOR_BUCKET_EDGES, bucket_of
 from routerd.daemon.config import PolicyConfig, Settings, load_settings
 from routerd.daemon.discovery import DiscoveredEndpoint
+from routerd.daemon.frontend import Frontend, effective_max_connections
 from routerd.daemon.metrics import Metrics
 from routerd.daemon.predict_batch import PredictionBatcher
 from routerd.daemon.proxy import Proxy
@@ -104,6 +105,16 @@ class _Built:
                                                self.edges)
 
 
+def file_signature(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size in bytes, modification time in ns) of ``path`` (symlinks followed, so a
+    Kubernetes ConfigMap's ``..data`` swap shows), or None when it cannot be read."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class Daemon:
     """One routerd: an HTTP front and a gRPC API over a shared :class:`Router`.
 
@@ -137,6 +148,7 @@ class Daemon:
                              metrics=self.metrics, config=settings.router, state_max_age_s=settings.state.max_age_s,
                              bucket_edges=built.edges)
         self.router.failure_cooldown_s = settings.upstream.failure_cooldown_s
+        self.router.outlier = settings.upstream.outlier
         self.router.on_ready_change = self._on_ready_change
         self.started_at_unix = time.time()
         self._static: list[DiscoveredEndpoint] = self._static_endpoints(settings)
@@ -144,12 +156,14 @@ class Daemon:
         self._watchers: dict[str, tuple[str, Any, asyncio.Task]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
+        self._http_server: asyncio.AbstractServer | None = None
+        self.frontend: Frontend | None = None
         self._site_port: int | None = None
         self._grpc: Any = None
         self._k8s: Any = None
         self._tasks: list[asyncio.Task] = []
         self._bg: set[asyncio.Future] = set()
-        self._config_mtime: float | None = None
+        self._config_sig: tuple[int, int, int] | None = None
         self._stopping = False
         self.proxy = Proxy(self)
 
@@ -162,11 +176,21 @@ class Daemon:
         self._apply_all_endpoints()
         app = self.proxy.build_app()
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=0.5)
+                                     shutdown_timeout=0.5, keepalive_timeout=s.http.keepalive_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, s.http.host, s.http.port, backlog=1024, reuse_address=True)
-        await site.start()
-        self._site_port = self._runner.addresses[0][1]
+        limit = effective_max_connections(s.http.max_connections)
+        if limit < s.http.max_connections:
+            log.warning("http.max_connections %d lowered to %d (half the open-file limit)",
+                        s.http.max_connections, limit)
+        self.frontend = Frontend(header_timeout_s=s.http.header_timeout_s,
+                                 keepalive_timeout_s=s.http.keepalive_timeout_s, max_connections=limit,
+                                 on_close=lambda why: self.metrics.client_connections_closed.labels(why).inc())
+        self.metrics.client_connections.set_function(self.frontend.conns.__len__)
+        # Our own listener rather than web.TCPSite: each connection is wrapped (frontend.py); aiohttp's
+        # handler still registers with its server, so the graceful shutdown of runner.cleanup() holds.
+        self._http_server = await self._loop.create_server(
+            self.frontend.factory(self._runner.server), s.http.host, s.http.port, backlog=1024, reuse_address=True)
+        self._site_port = self._http_server.sockets[0].getsockname()[1]
         if s.grpc.enabled:
             from routerd.daemon.grpc_api import GrpcServer
 
@@ -175,15 +199,14 @@ class Daemon:
         if s.kubernetes.enabled:
             self._start_kubernetes()
         if self.config_path is not None:
-            try:
-                self._config_mtime = self.config_path.stat().st_mtime
-            except OSError:
-                self._config_mtime = None
+            self._config_sig = file_signature(self.config_path)
             if s.reload.watch:
                 self._tasks.append(asyncio.create_task(self._watch_config()))
         self._on_ready_change()
         if not self.router.endpoints and not s.kubernetes.enabled:
             log.warning("no endpoints configured: every request will get 503 until a reload adds some")
+        log.info("tie-break seed %d (router.tie_break_seed %s)", self.router.tie_seed,
+                 "set" if s.router.tie_break_seed is not None else "unset: drawn for this process")
         log.info("routerd listening on http://%s:%d%s; policy %s; predictor %s; %d endpoints", s.http.host,
                  self.http_port,
                  f", gRPC {s.grpc.host}:{self.grpc_port}" if self._grpc is not None else "",
@@ -241,9 +264,19 @@ class Daemon:
             await asyncio.to_thread(k8s.stop)
         if self._grpc is not None:
             await self._grpc.stop(grace_s=0.5)
+        if self._http_server is not None:
+            self._http_server.close()  # no new connections; open ones end with runner.cleanup()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._http_server is not None:
+            for c in list(self.frontend.conns if self.frontend is not None else ()):
+                if c.transport is not None:
+                    c.transport.abort()  # whatever cleanup's grace left open (slow or idle clients)
+            await self._http_server.wait_closed()
+            self._http_server = None
+        if self.frontend is not None:
+            self.frontend.close()
         for name in list(self._watchers):
             await self._stop_watcher(name)
         if self._bg:
@@ -329,7 +362,8 @@ class Daemon:
             except OSError:
                 namespace = "default"
         watcher = EndpointSliceWatcher(namespace, k.service or "", self.endpoints_callback,
-                                       http_port_name=k.http_port_name, state_port_name=k.state_port_name)
+                                       http_port_name=k.http_port_name, state_port_name=k.state_port_name,
+                                       on_skip=lambda _why: self.metrics.endpointslice_skipped.inc())
         try:
             watcher.start()
         except Exception as e:  # noqa: BLE001 - no in-cluster credentials nor kubeconfig, typically
@@ -342,6 +376,7 @@ class Daemon:
         if self.router.draining:
             return False, "draining"
         now = self.router.clock()
+        # An ejected endpoint still counts: with every one ejected, requests go to them anyway.
         if not any(ep.ready and ep.down_until <= now for ep in self.router.endpoints):
             return False, "no ready endpoint"
         return True, "ok"
@@ -425,13 +460,16 @@ class Daemon:
             ep.m.state_stale.set(1 if ep.state_address is not None and ep.is_stale(now, age) else 0)
 
     # -- reload ------------------------------------------------------------------
-    async def reload(self, settings: Settings | None = None) -> bool:
+    async def reload(self, settings: Settings | None = None, *, expect: tuple[int, int, int] | None = None) -> bool:
         """Re-read the config file (or take ``settings``) and apply it without dropping requests.
 
         Endpoints, policy (and its checkpoint), predictor, models, router, state and
         upstream limits change at once; listener addresses, the event loop, the body limit
         and Kubernetes discovery settings need a restart (a warning says so). An invalid new
         configuration is logged and the running one kept. Returns True when applied.
+
+        ``expect`` (the watcher's): the file's :func:`file_signature` when its change settled;
+        a file that changed again while it was read is not applied (the next poll reads it).
         """
         try:
             if settings is None:
@@ -440,6 +478,10 @@ class Daemon:
                     return False
                 settings = load_settings(self.config_path, overrides=self._overrides,
                                          override_flags=self._override_flags)
+                if expect is not None and file_signature(self.config_path) != expect:
+                    self._config_sig = None  # read again at the next poll
+                    log.info("reload: %s changed while it was read; reading it again", self.config_path)
+                    return False
             built = await asyncio.to_thread(_Built, settings, len(settings.endpoints) or len(self.router.endpoints))
         except ConfigError as e:
             self.metrics.reloads.labels("error").inc()
@@ -460,6 +502,7 @@ class Daemon:
         self.router.bucket_edges = built.edges
         self.router.configure(settings.router, settings.state.max_age_s)
         self.router.failure_cooldown_s = settings.upstream.failure_cooldown_s
+        self.router.outlier = settings.upstream.outlier
         self.proxy.reconfigure()
         self.router.set_policy(built.policy, settings.policy.name)
         self._static = self._static_endpoints(settings)
@@ -469,19 +512,27 @@ class Daemon:
         return True
 
     async def _watch_config(self) -> None:
+        """Poll the file; read a change once it has settled (``reload.settle_s``), so that a file
+        being written (truncated, then filled) is never applied half-way."""
         assert self.config_path is not None
         while True:
             await asyncio.sleep(self.settings.reload.poll_interval_s)
-            try:
-                mtime = self.config_path.stat().st_mtime
-            except OSError:
+            sig = file_signature(self.config_path)
+            if sig is None or sig == self._config_sig:
+                continue  # a missing file keeps the running configuration
+            while sig is not None:
+                await asyncio.sleep(self.settings.reload.settle_s)
+                again = file_signature(self.config_path)
+                if again == sig:
+                    break
+                sig = again
+            if sig is None:
                 continue
-            if mtime != self._config_mtime:
-                self._config_mtime = mtime
-                try:
-                    await self.reload()
-                except Exception:  # noqa: BLE001 - keep watching whatever one reload did
-                    log.exception("reload failed")
+            self._config_sig = sig
+            try:
+                await self.reload(expect=sig)
+            except Exception:  # noqa: BLE001 - keep watching whatever one reload did
+                log.exception("reload failed")
 
     # -- the process -------------------------------------------------------------
     async def serve_forever(self) -> int:

@@ -55,6 +55,26 @@ class ListenConfig(_Model):
     """TCP port; 0 picks a free one (logged at start-up)."""
 
 
+class HttpConfig(ListenConfig):
+    """The OpenAI-compatible HTTP front and the limits on its client connections
+    (``routerd.daemon.frontend``)."""
+
+    header_timeout_s: float = Field(default=15.0, gt=0, le=3600)
+    """A client must send a complete request (line and headers) within this long of connecting (s);
+    one that sends nothing, or its headers byte by byte, is closed (nginx's ``client_header_timeout``
+    is 60 s; LLM clients send theirs at once)."""
+    body_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    """A request body must arrive within this long of its headers (s), else 408 (nginx's
+    ``client_body_timeout``, 60 s)."""
+    keepalive_timeout_s: float = Field(default=75.0, gt=0, le=3600)
+    """An idle keep-alive connection is closed this long after its last response (s) (nginx's
+    ``keepalive_timeout``, 75 s); one that then sends its next request too slowly is closed
+    ``header_timeout_s`` later."""
+    max_connections: int = Field(default=10_000, ge=1)
+    """Most open client connections; one more gets 503 and is closed. Lowered at start to half
+    the process's open-file limit (logged), so clients can never take every descriptor."""
+
+
 class GrpcConfig(ListenConfig):
     """The gRPC listener (``phasewise.v1.RouterService`` and ``grpc.health.v1``)."""
 
@@ -74,21 +94,37 @@ def _check_host_port(value: str, what: str) -> str:
 
 
 def normalize_url(value: str) -> str:
-    """An endpoint base URL checked (http or https, a host) and without a trailing slash.
+    """An endpoint base URL checked and without a trailing slash: ``http(s)://host[:port]``.
+
+    routerd sends ``/v1/completions`` and the other OpenAI paths itself, so the URL names
+    the server only.
 
     Raises:
-        ValueError: another scheme, no host, a query or fragment.
+        ValueError: another scheme, no host, white space, credentials, a path (``/v1``
+            included), a query or fragment, or a port outside 1-65535.
     """
-    parts = urlsplit(value.strip())
+    v = value.strip()
+    if any(c.isspace() for c in v):
+        raise ValueError(f"must not contain white space, got {value!r}")
+    parts = urlsplit(v)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"must be an http:// or https:// URL with a host, got {value!r}")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("must not carry credentials (user:password@); the URL is logged and exported in "
+                         "metrics")
+    if parts.path not in ("", "/"):
+        hint = " (routerd adds /v1/... itself)" if parts.path.rstrip("/").endswith("/v1") else ""
+        raise ValueError(f"must not have a path{hint}: give the server only, like http://10.0.0.7:8000, "
+                         f"got {value!r}")
     if parts.query or parts.fragment:
         raise ValueError(f"must not have a query or fragment, got {value!r}")
     try:
-        parts.port
+        port = parts.port
     except ValueError:
         raise ValueError(f"has an invalid port: {value!r}") from None
-    return value.strip().rstrip("/")
+    if port == 0:
+        raise ValueError(f"port 0 cannot be dialled (1-65535, or none for the scheme's default): {value!r}")
+    return v.rstrip("/")
 
 
 class EndpointConfig(_Model):
@@ -136,7 +172,36 @@ class PolicyConfig(_Model):
     """Routing policy by registry name, with its typed parameters (``phasewise policies``)."""
 
     name: str = "round_robin"
+    """A servable policy of the registry (``phasewise policies``); the oracle policies, which read
+    true output lengths a live router cannot know, are refused."""
     params: dict[str, Any] = Field(default_factory=dict)
+    """The policy's typed parameters (checked here against its ``Params`` model)."""
+
+    @model_validator(mode="after")
+    def _known_and_servable(self) -> "PolicyConfig":
+        from pydantic import ValidationError as _VE
+
+        from routerd.policies.registry import POLICIES
+
+        cls = POLICIES.get(self.name)
+        if cls is None or cls.oracle:
+            why = "unknown policy" if cls is None else "reads true output lengths, so it runs only in the simulator:"
+            raise _PathError(("name",), f"{why} {self.name!r}; servable: {', '.join(servable_policies())}")
+        try:
+            cls.Params.model_validate(self.params)
+        except _VE as e:
+            err = e.errors()[0]
+            msg = err["msg"][len("Value error, "):] if err["msg"].startswith("Value error, ") else err["msg"]
+            fields = ", ".join(cls.Params.model_fields) or "none"
+            raise _PathError(("params", *err["loc"]), f"{msg} (policy {self.name} takes: {fields})") from None
+        return self
+
+
+def servable_policies() -> list[str]:
+    """Registry names routerd can serve: every policy except the oracle ones."""
+    from routerd.policies.registry import POLICIES
+
+    return [name for name, cls in POLICIES.items() if not cls.oracle]
 
 
 class RouterConfig(_Model):
@@ -154,6 +219,10 @@ class RouterConfig(_Model):
     at once when none is ready (llm-d's choice); > 0 rides out a short rollout gap."""
     decisions_kept: int = Field(default=1000, ge=1)
     """Decision records kept for ``ListDecisions`` (newest)."""
+    tie_break_seed: int | None = None
+    """Seed of the random order in which policies see their candidates (so ties go to a random
+    instance, not the lowest index). None: a fresh seed per process, so that routerd replicas
+    break ties differently (it is logged at start); set one to replay decisions exactly."""
 
 
 class StateConfig(_Model):
@@ -165,6 +234,32 @@ class StateConfig(_Model):
     interval (llm-d-router#2408). Default: llm-d's 2 s metrics staleness threshold."""
     min_interval_s: float = Field(default=0.0, ge=0)
     """Shortest interval between two updates asked of each sidecar (s); 0 = every scrape."""
+
+
+class OutlierConfig(_Model):
+    """Passive health checking: eject an endpoint that keeps failing (Envoy's outlier detection,
+    ``envoy.config.cluster.v3.OutlierDetection``: consecutive errors, an ejection time that grows
+    with each ejection, a cap on the share ejected)."""
+
+    enabled: bool = True
+    """Eject failing endpoints at all."""
+    consecutive_errors: int = Field(default=5, ge=1)
+    """Consecutive failed requests that eject an endpoint: connect failures, timeouts, answers
+    with a 5xx status and streams broken off (Envoy's ``consecutive_5xx`` default, 5)."""
+    base_ejection_s: float = Field(default=30.0, gt=0)
+    """First ejection time (s); the k-th ejection in a row lasts k times this (Envoy's
+    ``base_ejection_time``, 30 s)."""
+    max_ejection_s: float = Field(default=300.0, gt=0)
+    """Longest ejection (s) (Envoy's ``max_ejection_time``, 300 s)."""
+    max_ejected_percent: float = Field(default=50.0, ge=0, le=100)
+    """Most endpoints ejected at once, in percent of the known ones; one may always be ejected
+    (as Envoy does). An endpoint past the cap keeps serving and is counted as not ejected."""
+
+    @model_validator(mode="after")
+    def _order(self) -> "OutlierConfig":
+        if self.max_ejection_s < self.base_ejection_s:
+            raise _PathError(("max_ejection_s",), f"must be >= base_ejection_s ({self.base_ejection_s})")
+        return self
 
 
 class UpstreamConfig(_Model):
@@ -184,6 +279,8 @@ class UpstreamConfig(_Model):
     failure_cooldown_s: float = Field(default=1.0, ge=0)
     """After a failed connect, the instance gets no new requests for this long (s), doubling
     on each further failure up to 30 s (while another instance is available)."""
+    outlier: OutlierConfig = Field(default_factory=OutlierConfig)
+    """Ejection of endpoints that keep failing (passive health)."""
 
 
 class ReloadConfig(_Model):
@@ -192,12 +289,17 @@ class ReloadConfig(_Model):
     watch: bool = True
     """Poll the file's modification time and reload when it changes."""
     poll_interval_s: float = Field(default=1.0, gt=0)
+    """How often the file is checked for a change (s)."""
+    settle_s: float = Field(default=0.5, ge=0, le=60)
+    """A change is read only once the file's size, modification time and inode have stayed
+    the same for this long (s), and is applied only if they did not change while it was
+    read: a file still being written is never applied half-way. SIGHUP reads at once."""
 
 
 class Settings(_Model):
     """Everything ``phasewise serve`` is configured with."""
 
-    http: ListenConfig = Field(default_factory=ListenConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
     """The OpenAI-compatible HTTP front, ``/metrics``, ``/healthz`` and ``/readyz``."""
     grpc: GrpcConfig = Field(default_factory=GrpcConfig)
     models: list[str] = Field(default_factory=list)
@@ -290,11 +392,11 @@ def _has_path(data: Any, loc: tuple) -> bool:
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML config file ({} for an empty file).
+    """The mapping in a YAML config file.
 
     Raises:
-        ConfigError: unreadable file, invalid YAML (with line and column) or a top level
-            that is not a mapping.
+        ConfigError: unreadable file, invalid YAML (with line and column), an empty file
+            (or one of comments only), or a top level that is not a mapping.
     """
     p = Path(path)
     try:
@@ -309,7 +411,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"config {p}: invalid YAML{where}: {problem}") from None
     if data is None:
-        return {}
+        # An empty file is what a truncate-then-write or a failed copy leaves behind: taking it
+        # as "all defaults" would drop every endpoint. `{}` says "all defaults" on purpose.
+        what = "is empty" if not text.strip() else "holds no settings (only comments)"
+        raise ConfigError(f"config {p}: the file {what}; refused (a half-written file?). "
+                          "Write `{}` to mean all defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"config {p}: the top level must be a mapping of settings, got {type(data).__name__}")
     return data
@@ -350,7 +456,8 @@ def load_settings(
         environ: environment to read (default ``os.environ``).
 
     Raises:
-        ConfigError: naming the file, variable or flag and the field path of the first error.
+        ConfigError: naming the file, variable or flag and the field path of each error (all
+            of them, one per line, when there are several).
     """
     file_data = read_yaml(path) if path is not None else {}
     env_data = read_env(os.environ if environ is None else environ)
@@ -358,17 +465,23 @@ def load_settings(
     try:
         return Settings.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = tuple(err["loc"])
-        ctx_err = (err.get("ctx") or {}).get("error")
-        if isinstance(ctx_err, _PathError):
-            loc, msg = loc + ctx_err.loc if loc else ctx_err.loc, str(ctx_err)
-        else:
-            msg = err["msg"]
-            if msg.startswith("Value error, "):
-                msg = msg[len("Value error, "):]
-        raise ConfigError(f"{_source_of(loc, path, env_data, overrides, override_flags)}: "
-                          f"{format_loc(loc)}: {msg}") from None
+        lines = []
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            ctx_err = (err.get("ctx") or {}).get("error")
+            if isinstance(ctx_err, _PathError):
+                loc, msg = loc + ctx_err.loc if loc else ctx_err.loc, str(ctx_err)
+            else:
+                msg = err["msg"]
+                if msg.startswith("Value error, "):
+                    msg = msg[len("Value error, "):]
+            line = f"{_source_of(loc, path, env_data, overrides, override_flags)}: {format_loc(loc)}: {msg}"
+            if line not in lines:
+                lines.append(line)
+        if len(lines) == 1:
+            raise ConfigError(lines[0]) from None
+        # Every mistake at once: fixing a file should not take one run per error.
+        raise ConfigError(f"{len(lines)} configuration errors:\n  " + "\n  ".join(lines)) from None
 
 
 def _merge_layer(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:

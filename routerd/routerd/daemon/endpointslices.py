@@ -18,12 +18,13 @@ RBAC: the ServiceAccount needs ``list`` and ``watch`` on ``endpointslices`` in t
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import random
 import threading
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from routerd.daemon.discovery import DiscoveredEndpoint, EndpointsCallback
 
@@ -49,6 +50,16 @@ def _port(ports: Sequence[Mapping[str, Any]], name: str | None) -> int | None:
     return None
 
 
+def _is_ip(address: object) -> bool:
+    if not isinstance(address, str):
+        return False
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True
+
+
 def _host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
@@ -58,8 +69,13 @@ def endpoints_from_slices(
     *,
     http_port_name: str = "http",
     state_port_name: str | None = "state",
+    skipped: list[str] | None = None,
 ) -> list[DiscoveredEndpoint]:
     """Merge EndpointSlices (API JSON, camelCase) into routerd's endpoint set, sorted by name.
+
+    An entry whose first address is not an IP address (empty, a host name, garbage: the API
+    server checks only the slice's ``addressType`` loosely) is skipped, never dialled; one line
+    per skipped entry naming the slice and the address is appended to ``skipped`` if given.
 
     - Each endpoint uses its first address (the API's rule for IPv4/IPv6 slices) and the
       slice's port called ``http_port_name``; a slice without that port contributes nothing.
@@ -91,6 +107,11 @@ def endpoints_from_slices(
             if not addresses:
                 continue
             addr = addresses[0]
+            if not _is_ip(addr):
+                if skipped is not None:
+                    slice_name = (s.get("metadata") or {}).get("name", "?")
+                    skipped.append(f"EndpointSlice {slice_name}: endpoint address {addr!r} is not an IP address")
+                continue
             name = (ep.get("targetRef") or {}).get("name") or addr
             if name in out:
                 continue
@@ -126,6 +147,7 @@ class EndpointSliceWatcher:
         watch_timeout_s: int = 300,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
+        on_skip: Callable[[str], None] | None = None,
     ) -> None:
         self.namespace = namespace
         self.service = service
@@ -138,6 +160,9 @@ class EndpointSliceWatcher:
         self._api_client = api_client
         self._owns_client = api_client is None
         """Whether :meth:`stop` closes the client (only one this watcher built itself)."""
+        self.on_skip = on_skip
+        """Called (from the watcher's thread) once per newly skipped entry, with its description."""
+        self._skipped: set[str] = set()
         self._slices: dict[str, dict] = {}
         self._delivered: tuple[DiscoveredEndpoint, ...] | None = None
         self._stop = threading.Event()
@@ -284,8 +309,15 @@ class EndpointSliceWatcher:
     def _deliver(self) -> None:
         if self._stop.is_set():
             return
+        skipped: list[str] = []
         eps = tuple(endpoints_from_slices(self._slices.values(), http_port_name=self.http_port_name,
-                                          state_port_name=self.state_port_name))
+                                          state_port_name=self.state_port_name, skipped=skipped))
+        for why in skipped:
+            if why not in self._skipped:  # say it once per entry, not at every slice event
+                log.warning("%s/%s: skipped: %s", self.namespace, self.service, why)
+                if self.on_skip is not None:
+                    self.on_skip(why)
+        self._skipped = set(skipped)
         if eps == self._delivered:
             return
         self._delivered = eps

@@ -28,9 +28,10 @@ class EndpointMetrics:
     """The label children of one endpoint (resolved once)."""
 
     __slots__ = ("decisions", "in_flight", "err_connect", "err_status", "err_stream", "err_timeout", "ready",
-                 "state_stale")
+                 "state_stale", "ejections", "ejected")
 
-    def __init__(self, m: "Metrics", name: str, in_flight: Callable[[], float]) -> None:
+    def __init__(self, m: "Metrics", name: str, in_flight: Callable[[], float],
+                 ejected: Callable[[], float] | None = None) -> None:
         self.decisions = m.decisions.labels(name)
         self.in_flight = m.in_flight.labels(name)
         self.in_flight.set_function(in_flight)
@@ -40,6 +41,10 @@ class EndpointMetrics:
         self.err_timeout = m.upstream_errors.labels(name, "timeout")
         self.ready = m.endpoint_ready.labels(name)
         self.state_stale = m.endpoint_state_stale.labels(name)
+        self.ejections = m.ejections.labels(name)
+        self.ejected = m.endpoint_ejected.labels(name)
+        if ejected is not None:
+            self.ejected.set_function(ejected)
 
 
 class Metrics:
@@ -51,7 +56,7 @@ class Metrics:
                                 ["code"], registry=r)
         self.rejections = Counter("phasewise_rejections",
                                   "Requests refused before dispatch, by reason (queue_full, no_endpoint, draining, "
-                                  "bad_request, not_found, too_large).", ["reason"], registry=r)
+                                  "bad_request, not_found, too_large, body_timeout).", ["reason"], registry=r)
         self.e2e = Histogram("phasewise_request_e2e_seconds",
                              "End-to-end latency from arrival at routerd to the last byte (s).",
                              buckets=_LATENCY_BUCKETS, registry=r)
@@ -104,18 +109,39 @@ class Metrics:
                                        registry=r)
         self.reloads = Counter("phasewise_config_reloads", "Configuration reloads, by result.", ["result"],
                                registry=r)
+        self.client_connections = Gauge("phasewise_client_connections", "Open client connections to the HTTP front.",
+                                        registry=r)
+        self.client_connections_closed = Counter(
+            "phasewise_client_connections_closed",
+            "Client connections closed by routerd's limits, by reason (header_timeout, idle_timeout, too_many).",
+            ["reason"], registry=r)
+        self.ejections = Counter("phasewise_endpoint_ejections",
+                                 "Ejections of an endpoint by passive health checking (consecutive failures).",
+                                 ["endpoint"], registry=r)
+        self.endpoint_ejected = Gauge("phasewise_endpoint_ejected",
+                                      "1 while the endpoint is ejected (no new requests), else 0.", ["endpoint"],
+                                      registry=r)
+        self.ejections_capped = Counter("phasewise_endpoint_ejections_capped",
+                                        "Ejections not made because upstream.outlier.max_ejected_percent was reached.",
+                                        registry=r)
+        self.endpointslice_skipped = Counter(
+            "phasewise_endpointslice_entries_skipped",
+            "EndpointSlice entries skipped because their address is not an IP address (each counted once).",
+            registry=r)
         self.fallback_children = {reason: self.fallbacks.labels(reason) for reason in FALLBACK_REASONS}
         self._bucket_children: dict[tuple[str, str], Counter] = {}
         self._code_children: dict[int, Counter] = {}
         self._reject_children: dict[str, Counter] = {}
 
-    def endpoint(self, name: str, in_flight: Callable[[], float]) -> EndpointMetrics:
-        """Create the series of endpoint ``name``; ``in_flight()`` is read at each scrape."""
-        return EndpointMetrics(self, name, in_flight)
+    def endpoint(self, name: str, in_flight: Callable[[], float],
+                 ejected: Callable[[], float] | None = None) -> EndpointMetrics:
+        """Create the series of endpoint ``name``; ``in_flight()`` and ``ejected()`` are read at each scrape."""
+        return EndpointMetrics(self, name, in_flight, ejected)
 
     def remove_endpoint(self, name: str) -> None:
         """Delete every series labelled with endpoint ``name``."""
-        for metric in (self.decisions, self.in_flight, self.endpoint_ready, self.endpoint_state_stale):
+        for metric in (self.decisions, self.in_flight, self.endpoint_ready, self.endpoint_state_stale,
+                       self.ejections, self.endpoint_ejected):
             try:
                 metric.remove(name)
             except KeyError:

@@ -27,7 +27,7 @@ import json
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import aiohttp
 from aiohttp import web
@@ -112,8 +112,18 @@ def prompt_tokens_of(kind: str, payload: dict) -> tuple[int, str | None]:
     raise BadRequest("'prompt' must be a string, an array of strings, or an array of token ids", "prompt")
 
 
+def connection_named(values: Iterable[str]) -> frozenset[str]:
+    """Header names (lower case) listed in ``Connection`` header values: hop-by-hop for this
+    connection only, so a proxy must not forward them (RFC 9110 section 7.6.1)."""
+    return frozenset(t.strip().lower() for v in values for t in v.split(",") if t.strip())
+
+
 def final_usage_tokens(tail: bytes) -> int | None:
-    """``usage.completion_tokens`` of the last SSE data event before ``[DONE]`` in ``tail``, if any."""
+    """``usage.completion_tokens`` of the last SSE data event before ``[DONE]`` in ``tail``, if any.
+
+    Lines may end with CRLF, LF or CR (the SSE specification)."""
+    if 13 in tail:
+        tail = tail.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
     for ev in reversed(tail.split(b"\n\n")):
         ev = ev.strip()
         if not ev.startswith(b"data:"):
@@ -140,12 +150,12 @@ class _StreamRelay:
     """The per-chunk path of a streamed answer: count SSE events, write to the client, flow control.
 
     Runs inside the upstream connection's ``data_received``: no coroutine switch per chunk.
-    Events are counted as ``\\n\\n`` terminators, carrying a ``\\n`` that ends one chunk into
-    the next, so an event split across network chunks counts once.
+    Events are counted at blank lines (:meth:`_count`), carrying the line ending that ends one
+    chunk into the next, so an event split across network chunks counts once.
     """
 
     __slots__ = ("ctr", "chunked", "ex", "ep", "r", "events", "prev_nl", "at_boundary", "t_first", "t1", "t2",
-                 "client_gone", "paused", "_poll")
+                 "client_gone", "paused", "_poll", "cr", "pending_cr")
 
     #: Client write buffer above which the upstream is paused (bytes; 262144 in ``sink``), and
     #: below which it resumes.
@@ -161,6 +171,8 @@ class _StreamRelay:
         self.events = 0
         self.prev_nl = False
         self.at_boundary = True
+        self.cr = False  # a CR seen: the stream may end lines with CRLF or CR
+        self.pending_cr = False  # the previous piece ended with CR
         self.t_first: float | None = None
         self.t1 = self.t2 = b""
         self.client_gone = False
@@ -171,19 +183,7 @@ class _StreamRelay:
         if self.t_first is None:
             self.t_first = time.monotonic()
             self.ep.on_first_token(self.r)
-        n = piece.count(b"\n\n")
-        last_nl = piece[-1] == 10
-        if self.prev_nl and piece[0] == 10:
-            n += 1
-            self.at_boundary = last_nl and (len(piece) == 1 or piece[-2] == 10)
-        elif n:
-            self.at_boundary = last_nl and piece[-2] == 10
-        else:
-            self.at_boundary = False
-        if n:
-            self.events += n
-            self.ep.on_tokens(self.r, n)
-        self.prev_nl = last_nl
+        self._count(piece)
         self.t1 = self.t2
         self.t2 = piece
         ctr = self.ctr
@@ -201,6 +201,36 @@ class _StreamRelay:
             self.paused = True
             self.ex.pause()
             self._poll = asyncio.get_running_loop().call_later(0.01, self._check_drained)
+
+    def _count(self, piece: bytes) -> None:
+        """Count the events ``piece`` ends and note whether the stream now stands at a boundary.
+
+        An event ends at a blank line; lines end with CRLF, LF or CR (the SSE specification,
+        "Interpreting an event stream"). Streams in LF only (vLLM's) take the first branch; once
+        a CR is seen, pieces are rewritten to LF first, a CRLF split across two pieces included.
+        """
+        lf = piece
+        if self.cr or 13 in piece:
+            self.cr = True
+            if self.pending_cr and piece[0] == 10:
+                lf = piece[1:]  # the LF of a CRLF whose CR ended the previous piece
+            self.pending_cr = piece[-1] == 13
+            lf = lf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            if not lf:
+                return
+        n = lf.count(b"\n\n")
+        last_nl = lf[-1] == 10
+        if self.prev_nl and lf[0] == 10:
+            n += 1
+            self.at_boundary = last_nl and (len(lf) == 1 or lf[-2] == 10)
+        elif n:
+            self.at_boundary = last_nl and lf[-2] == 10
+        else:
+            self.at_boundary = False
+        if n:
+            self.events += n
+            self.ep.on_tokens(self.r, n)
+        self.prev_nl = last_nl
 
     def _check_drained(self) -> None:
         self._poll = None
@@ -237,7 +267,7 @@ class Proxy:
     def build_app(self) -> web.Application:
         """The aiohttp application (routes only; the daemon runs it)."""
         self.max_body_bytes = self.d.settings.max_body_bytes
-        app = web.Application(client_max_size=self.max_body_bytes)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._mark_busy])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -246,6 +276,19 @@ class Proxy:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_route("*", "/{tail:.*}", self.not_found)
         return app
+
+    @web.middleware
+    async def _mark_busy(self, request: web.Request, handler) -> web.StreamResponse:
+        """Tell the front-end limits (``frontend.py``) that this connection is handling a request."""
+        f = self.d.frontend
+        if f is None:
+            return await handler(request)
+        tr = request.transport
+        f.request_started(tr)
+        try:
+            return await handler(request)
+        finally:
+            f.request_ended(tr)
 
     async def open_pool(self) -> None:
         """Create the upstream connection pool (keep-alive, TCP_NODELAY)."""
@@ -317,7 +360,9 @@ class Proxy:
 
     async def readyz(self, request: web.Request) -> web.Response:
         ready, why = self.d.readiness()
-        return web.json_response({"status": "ready" if ready else "not ready", "reason": why},
+        now = self.d.router.clock()
+        ejected = sorted(ep.name for ep in self.d.router.endpoints if ep.ejected_until > now)
+        return web.json_response({"status": "ready" if ready else "not ready", "reason": why, "ejected": ejected},
                                  status=200 if ready else 503)
 
     # -- inference routes --------------------------------------------------------
@@ -359,7 +404,14 @@ class Proxy:
             return self._refuse(413, f"request body is {cl} bytes; the limit is {limit}", "invalid_request_error",
                                 "too_large", code="request_too_large")
         try:
-            body = await request.read()
+            body = await asyncio.wait_for(request.read(), d.settings.http.body_timeout_s)
+        except asyncio.TimeoutError:
+            resp = self._refuse(408, f"request body not received within {d.settings.http.body_timeout_s:g} s",
+                                "invalid_request_error", "body_timeout", code="request_timeout")
+            resp.force_close()  # the rest of a half-sent body is not waited for
+            if d.frontend is not None:
+                d.frontend.close_after_answer(request.transport)
+            return resp
         except web.HTTPRequestEntityTooLarge:
             return self._refuse(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error",
                                 "too_large", code="request_too_large")
@@ -419,7 +471,8 @@ class Proxy:
 
     @staticmethod
     def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
-        h = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
+        drop = _HOP_BY_HOP | connection_named(request.headers.getall("Connection", ()))
+        h = [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
         h.append(("Accept-Encoding", "identity"))
         return h
 
@@ -444,12 +497,14 @@ class Proxy:
                 raise
             except UpstreamTimeout:
                 ep.m.err_timeout.inc()
+                router.note_failure(ep, "timeout")
                 metrics.count_response(504)
                 return error_response(504, f"instance {ep.name} did not answer in time", "upstream_error",
                                       code="upstream_timeout")
             except UpstreamError as e:
                 if not e.before_first_byte:
                     ep.m.err_stream.inc()
+                    router.note_failure(ep, "stream")
                     metrics.count_response(502)
                     return error_response(502, f"instance {ep.name} sent a broken answer: {e}", "upstream_error",
                                           code="upstream_error")
@@ -475,11 +530,13 @@ class Proxy:
                 metrics.client_disconnects.inc()
                 metrics.count_response(499)
                 raise
-        router.note_success(ep)
         try:
             status = ex.status
             if status >= 500:
                 ep.m.err_status.inc()
+                router.note_failure(ep, "status")
+            else:
+                router.note_success(ep)
             if stream and status == 200 and ex.content_type == "text/event-stream":
                 return await self._relay_stream(request, ex, r, ep, t0)
             return await self._relay_body(ex, r, ep, t0)
@@ -495,9 +552,10 @@ class Proxy:
 
     @staticmethod
     def _response_headers(ex: Exchange) -> CIMultiDict:
+        drop = _RESPONSE_DROP | connection_named(v for k, v in ex.headers if k.lower() == "connection")
         h = CIMultiDict()
         for k, v in ex.headers:
-            if k.lower() not in _RESPONSE_DROP:
+            if k.lower() not in drop:
                 h.add(k, v)
         return h
 
@@ -507,11 +565,13 @@ class Proxy:
             data = await ex.read()
         except UpstreamTimeout as e:
             ep.m.err_timeout.inc()
+            d.router.note_failure(ep, "timeout")
             d.metrics.count_response(504)
             return error_response(504, f"instance {ep.name} stalled in its answer: {e}", "upstream_error",
                                   code="upstream_timeout")
         except UpstreamError as e:
             ep.m.err_stream.inc()
+            d.router.note_failure(ep, "stream")
             d.metrics.count_response(502)
             return error_response(502, f"instance {ep.name} broke off its answer: {e}", "upstream_error",
                                   code="upstream_error")
@@ -556,6 +616,7 @@ class Proxy:
                 return resp
             # The instance broke off mid-stream: nothing can be retried after the first byte.
             (ep.m.err_timeout if isinstance(e, UpstreamTimeout) else ep.m.err_stream).inc()
+            d.router.note_failure(ep, "timeout" if isinstance(e, UpstreamTimeout) else "stream")
             log.warning("instance %s broke off a stream: %s", ep.name, e)
             d.metrics.count_response(502)
             await self._end_broken_stream(request, resp, relay.at_boundary, ep.name)

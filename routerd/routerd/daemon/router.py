@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import operator
+import os
+import random
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -31,7 +33,7 @@ from routerd.daemon.discovery import DiscoveredEndpoint
 from routerd.daemon.state import EndpointState, Inflight, url_target
 
 if TYPE_CHECKING:
-    from routerd.daemon.config import PolicyConfig, RouterConfig
+    from routerd.daemon.config import OutlierConfig, PolicyConfig, RouterConfig
     from routerd.daemon.metrics import Metrics
     from routerd.profiles import HardwareProfile
 
@@ -156,6 +158,12 @@ class Router:
         self._cands_until = 0.0
         self.failure_cooldown_s = 1.0
         """First connect-failure cooldown of an endpoint (s); doubles per further failure."""
+        self.outlier: "OutlierConfig | None" = None
+        """Passive health settings (``upstream.outlier``); None = no ejection."""
+        self.tie_seed = 0
+        """Seed of the random candidate order (``router.tie_break_seed``, or drawn at start)."""
+        self._tie_seed_configured = False
+        self._rng: random.Random | None = None
         self.on_ready_change: Callable[[], None] | None = None
         """Called when the number of ready endpoints may have changed (health status)."""
         # Gauges read at scrape time from the bookkeeping itself: nothing to update per
@@ -173,6 +181,16 @@ class Router:
         self.state_max_age_s = state_max_age_s
         if self.decisions.maxlen != config.decisions_kept:
             self.decisions = deque(self.decisions, maxlen=config.decisions_kept)
+        seed = config.tie_break_seed
+        if seed is None:
+            if self._rng is not None and not self._tie_seed_configured:
+                return  # a reload keeps the process's own seed
+            seed = int.from_bytes(os.urandom(4), "big")
+        elif self._rng is not None and self._tie_seed_configured and seed == self.tie_seed:
+            return
+        self.tie_seed = seed
+        self._tie_seed_configured = config.tie_break_seed is not None
+        self._rng = random.Random(seed)
 
     def set_policy(self, policy: RoutingPolicy, name: str) -> None:
         """Swap the policy; queued and in-flight requests are kept (their bookkeeping is not the policy's)."""
@@ -196,7 +214,8 @@ class Router:
             ep = self.by_name.get(d.name)
             if ep is None:
                 ep = EndpointState(len(self.endpoints), d.name, d.url, d.state_address, d.ready, self.profile)
-                ep.m = self.metrics.endpoint(d.name, ep.requests.__len__)
+                ep.m = self.metrics.endpoint(d.name, ep.requests.__len__,
+                                             lambda ep=ep: 1.0 if ep.ejected_until > self.clock() else 0.0)
                 ep.idle_since = self.clock()
                 self.endpoints.append(ep)
                 self.by_name[d.name] = ep
@@ -376,15 +395,55 @@ class Router:
             ep.down_until = self.clock() + min(MAX_COOLDOWN_S, base * 2 ** (ep.connect_failures - 1))
             if self.on_ready_change is not None:
                 self.on_ready_change()
+        self.note_failure(ep, "connect")
 
     def note_success(self, ep: EndpointState) -> None:
-        """An upstream answered: clear the connect-failure cooldown."""
+        """An upstream answered (not with a 5xx): clear the connect-failure cooldown and the
+        consecutive-error count, and end a probation after an ejection."""
+        ep.consecutive_errors = 0
+        if ep.probation:
+            ep.probation = False
+            ep.ejections = 0
         if ep.connect_failures:
             ep.connect_failures = 0
             ep.down_until = 0.0
             self._cands = None
             if self.on_ready_change is not None:
                 self.on_ready_change()
+
+    def note_failure(self, ep: EndpointState, kind: str) -> None:
+        """A request to ``ep`` failed (``kind``: connect, timeout, status (5xx) or stream).
+
+        ``upstream.outlier.consecutive_errors`` failures in a row, or one while on probation
+        after an ejection, eject ``ep``: no new requests for ``base_ejection_s`` times the
+        number of ejections in a row, at most ``max_ejection_s`` (Envoy's outlier detection,
+        ``source/extensions/clusters/common/outlier_detection_impl.cc``: ejection time =
+        base * number of ejections, capped). At most ``max_ejected_percent`` of the known
+        endpoints are ejected at once, and always one may be.
+        """
+        cfg = self.outlier
+        if cfg is None or not cfg.enabled or ep.removed:
+            return
+        ep.consecutive_errors += 1
+        now = self.clock()
+        if ep.ejected_until > now or ep.consecutive_errors < (1 if ep.probation else cfg.consecutive_errors):
+            return
+        known = [e for e in self.endpoints if not e.removed]
+        ejected = sum(1 for e in known if e.ejected_until > now)
+        if ejected >= max(1, int(len(known) * cfg.max_ejected_percent / 100.0)):
+            self.metrics.ejections_capped.inc()
+            return
+        ep.ejections += 1
+        ep.consecutive_errors = 0
+        ep.probation = True
+        duration = min(cfg.max_ejection_s, cfg.base_ejection_s * ep.ejections)
+        ep.ejected_until = now + duration
+        ep.m.ejections.inc()
+        self._cands = None
+        log.warning("endpoint %s ejected for %.0f s after failed requests (last: %s; ejection %d in a row)",
+                    ep.name, duration, kind, ep.ejections)
+        if self.on_ready_change is not None:
+            self.on_ready_change()
 
     # -- the decision loop -------------------------------------------------------
     def _candidates(self, exclude, now: float) -> list[EndpointState]:
@@ -398,15 +457,17 @@ class Router:
             c = self._cands
             if c is not None and self._cands_from <= now < self._cands_until:
                 return c
-        cands = [ep for ep in self.endpoints if ep.ready and ep.down_until <= now and ep.name not in exclude]
+        cands = [ep for ep in self.endpoints
+                 if ep.ready and ep.down_until <= now and ep.ejected_until <= now and ep.name not in exclude]
         if not cands:
-            # Every ready endpoint is cooling down after connect failures: try them anyway.
+            # Every ready endpoint is cooling down or ejected: try them anyway (the ejection
+            # cap keeps this rare); a request is better sent than refused.
             cands = [ep for ep in self.endpoints if ep.ready and ep.name not in exclude]
         if not exclude:
             self._cands = cands
             self._cands_from = now
-            self._cands_until = min((ep.down_until for ep in self.endpoints if ep.ready and ep.down_until > now),
-                                    default=float("inf"))
+            self._cands_until = min((t for ep in self.endpoints if ep.ready
+                                     for t in (ep.down_until, ep.ejected_until) if t > now), default=float("inf"))
         return cands
 
     def _round_robin(self, cands: list[EndpointState]) -> EndpointState:
@@ -442,8 +503,14 @@ class Router:
                 reason = "stale_state"
             else:
                 t0 = time.perf_counter()
+                seen = cands
+                if len(cands) > 1 and not getattr(self.policy, "order_sensitive", True):
+                    # Random order: "first among equals" is then a random one (no herding of
+                    # several replicas onto the lowest index).
+                    seen = cands[:]
+                    self._rng.shuffle(seen)  # type: ignore[union-attr]  # set by configure
                 try:
-                    choice = self.policy.pick(r.features, ClusterView(now, cands, len(q)))
+                    choice = self.policy.pick(r.features, ClusterView(now, seen, len(q)))
                 except Exception:  # noqa: BLE001 - fail open, never fail the request
                     log.exception("policy %s failed; routing round robin", self.policy_name)
                     choice = -1

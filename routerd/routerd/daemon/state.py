@@ -75,6 +75,14 @@ class EndpointState(RequestBook):
         self.down_until = 0.0
         """Monotonic time until which a failed connect keeps new requests away."""
         self.connect_failures = 0
+        self.consecutive_errors = 0
+        """Failed requests in a row (connect, timeout, 5xx, broken stream); a success resets it."""
+        self.ejections = 0
+        """Ejections in a row: the next lasts this many + 1 base ejection times."""
+        self.ejected_until = 0.0
+        """Monotonic time until which passive health checking keeps new requests away."""
+        self.probation = False
+        """Back from an ejection without a success yet: one failure ejects it again."""
         self.idle_since = 0.0
         self.m: Any = None
         """Pre-resolved metric children (:class:`routerd.daemon.metrics.EndpointMetrics`)."""

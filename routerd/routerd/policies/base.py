@@ -192,6 +192,11 @@ class RoutingPolicy(ABC):
     Params: ClassVar[type[PolicyParams]] = PolicyParams
     oracle: ClassVar[bool] = False
     """True only for policies allowed to read true output lengths (upper bounds)."""
+    order_sensitive: ClassVar[bool] = False
+    """True when the choice depends on the order of ``view.instances`` beyond breaking ties
+    (round robin's position, a DQN's input slots). routerd hands every other policy its
+    candidates in a random order per decision, so their "first among equals" tie-break is
+    random and several routerd replicas do not all pick the same idle instance."""
 
     def __init__(self, ctx: PolicyContext, params: PolicyParams | None = None) -> None:
         self.ctx = ctx

@@ -17,6 +17,7 @@ class RoundRobin(RoutingPolicy):
     """Cycle through the instances in view order; never holds."""
 
     name = "round_robin"
+    order_sensitive = True
     Params = Params
 
     def __init__(self, ctx: PolicyContext, params: PolicyParams | None = None) -> None:

@@ -36,6 +36,7 @@ class DQNPolicy(RoutingPolicy):
     """
 
     name = "dqn"
+    order_sensitive = True
     Params = Params
 
     def __init__(self, ctx: PolicyContext, params: PolicyParams | None = None, *, weights=None) -> None:

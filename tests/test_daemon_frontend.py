@@ -1,0 +1,139 @@
+"""routerd's client-connection limits (issue 15), on loopback with raw sockets: clients that send
+nothing, send their headers or body byte by byte, or sit idle on keep-alive are closed within
+the configured bounds, past ``max_connections`` a client gets 503, and normal requests are
+answered meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+
+from daemon_fakes import FakeBackend, sample, start_daemon
+
+REQUEST = json.dumps({"model": "m", "prompt": "p", "max_tokens": 2}).encode()
+HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(REQUEST))
+
+
+async def _closed_within(reader: asyncio.StreamReader, bound_s: float) -> tuple[float, bytes]:
+    """(seconds until routerd closed the connection, what it sent before); fails past ``bound_s``."""
+    t0 = time.monotonic()
+    data = await asyncio.wait_for(reader.read(), bound_s)
+    return time.monotonic() - t0, data
+
+
+async def _normal(base: str, n: int) -> list[int]:
+    async with aiohttp.ClientSession() as s:
+        async def one():
+            async with s.post(base + "/v1/completions", data=REQUEST,
+                              headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+                return r.status
+        return list(await asyncio.gather(*(one() for _ in range(n))))
+
+
+def test_silent_slow_header_and_slow_body_clients_are_closed_and_normal_ones_served():
+    async def main():
+        b = await FakeBackend("b0").start()
+        d = await start_daemon([b], http={"host": "127.0.0.1", "port": 0, "header_timeout_s": 1.0,
+                                          "body_timeout_s": 1.0, "keepalive_timeout_s": 30.0})
+        port = d.http_port
+        base = f"http://127.0.0.1:{port}"
+        try:
+            silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(50)]
+            slow_hdr_r, slow_hdr_w = await asyncio.open_connection("127.0.0.1", port)
+            slow_body_r, slow_body_w = await asyncio.open_connection("127.0.0.1", port)
+            slow_body_w.write(HEAD + REQUEST[:5])  # headers whole, then the body stalls
+
+            async def dribble():  # one header byte per 0.2 s: 1 s lets through only 5 of them
+                try:
+                    for byte in HEAD:
+                        slow_hdr_w.write(bytes([byte]))
+                        await asyncio.sleep(0.2)
+                except ConnectionError:
+                    pass
+
+            task = asyncio.create_task(dribble())
+            assert await _normal(base, 20) == [200] * 20  # served while the slow ones are open
+            assert sample(d, "phasewise_client_connections") >= 52
+            # Closed within the bound plus a sweep (0.25 s); 8 s leaves room for a loaded machine.
+            for r, _ in silent:
+                _, data = await _closed_within(r, 8.0)
+                assert data == b""  # aborted without an answer: they never asked anything
+            await _closed_within(slow_hdr_r, 8.0)
+            task.cancel()
+            _, answer = await _closed_within(slow_body_r, 8.0)
+            assert answer.startswith(b"HTTP/1.1 408 ") and b'"code": "request_timeout"' in answer
+            assert sample(d, "phasewise_client_connections_closed_total", reason="header_timeout") == 51
+            assert sample(d, "phasewise_rejections_total", reason="body_timeout") == 1
+            assert sample(d, "phasewise_requests_total", code="408") == 1
+            assert await _normal(base, 5) == [200] * 5
+            for _, w in [*silent, (slow_hdr_r, slow_hdr_w), (slow_body_r, slow_body_w)]:
+                w.close()
+        finally:
+            await d.stop()
+            await b.stop()
+
+    asyncio.run(main())
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_its_timeout():
+    async def main():
+        b = await FakeBackend("b0").start()
+        d = await start_daemon([b], http={"host": "127.0.0.1", "port": 0, "keepalive_timeout_s": 0.5,
+                                          "header_timeout_s": 5.0})
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", d.http_port)
+            w.write(HEAD + REQUEST)
+            status = await asyncio.wait_for(r.readline(), 10)
+            assert status.startswith(b"HTTP/1.1 200")
+            took, _ = await _closed_within(r, 15.0)  # aiohttp's keep-alive timer (or our sweep) closes it
+            assert took >= 0.3  # not at once: it was kept alive
+            w.close()
+        finally:
+            await d.stop()
+            await b.stop()
+
+    asyncio.run(main())
+
+
+def test_past_max_connections_a_client_gets_503_and_the_slots_free_up():
+    async def main():
+        b = await FakeBackend("b0").start()
+        d = await start_daemon([b], http={"host": "127.0.0.1", "port": 0, "max_connections": 5,
+                                          "header_timeout_s": 1.0})
+        port = d.http_port
+        try:
+            hogs = [await asyncio.open_connection("127.0.0.1", port) for _ in range(5)]
+            await asyncio.sleep(0.1)
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            _, answer = await _closed_within(r, 10.0)
+            assert answer.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in answer
+            assert sample(d, "phasewise_client_connections_closed_total", reason="too_many") == 1
+            for hr, _ in hogs:  # the idle hogs are closed by the header timeout...
+                await _closed_within(hr, 8.0)
+            # ...and normal clients get in again.
+            assert await _normal(f"http://127.0.0.1:{port}", 3) == [200] * 3
+            for _, hw in [*hogs, (r, w)]:
+                hw.close()
+        finally:
+            await d.stop()
+            await b.stop()
+
+    asyncio.run(main())
+
+
+def test_the_connection_limit_follows_the_open_file_limit(monkeypatch):
+    import resource
+
+    from routerd.daemon import frontend
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (1024, 4096))
+    assert frontend.effective_max_connections(10_000) == 512  # half of 1024 left for the rest
+    assert frontend.effective_max_connections(100) == 100
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (20, 20))
+    assert frontend.effective_max_connections(10_000) == 16  # never below 16 for the file limit
+    assert frontend.effective_max_connections(5) == 5  # a configured limit is kept
