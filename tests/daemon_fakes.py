@@ -23,6 +23,15 @@ from aiohttp import web
 from routerd.api.v1 import instance_state_pb2, instance_state_pb2_grpc
 
 
+async def serve_app(app: web.Application, port: int = 0, **runner_kw) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on 127.0.0.1:``port`` (0: a free one); returns (runner, the bound port)."""
+    runner = web.AppRunner(app, access_log=None, **runner_kw)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
 class FakeBackend:
     """An OpenAI-compatible fake instance on 127.0.0.1 (port 0)."""
 
@@ -66,11 +75,7 @@ class FakeBackend:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
-        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.runner, self.port = await serve_app(app, self.port, handler_cancellation=True, shutdown_timeout=0.1)
         return self
 
     async def stop(self) -> None:

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from daemon_fakes import FakeBackend, sample, start_daemon
+from daemon_fakes import FakeBackend, sample, serve_app, start_daemon
 
 
 class BadBackend:
@@ -44,11 +44,7 @@ class BadBackend:
     async def start(self) -> "BadBackend":
         app = web.Application()
         app.router.add_post("/v1/completions", self._serve)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self._runner, self.port = await serve_app(app, handler_cancellation=True, shutdown_timeout=0.1)
         return self
 
     async def stop(self) -> None:

@@ -10,6 +10,7 @@ import grpc
 import pytest
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from daemon_fakes import serve_app
 from test_sidecar_metrics import vllm_page
 
 from routerd.api.v1 import instance_state_pb2_grpc
@@ -46,11 +47,7 @@ class MetricsServer:
     async def start(self) -> "MetricsServer":
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)  # the same port again after a stop
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self._runner, self.port = await serve_app(app, self.port)  # the same port again after a stop
         return self
 
     async def stop(self) -> None:
