@@ -22,7 +22,7 @@ def write(tmp_path, text, name="routerd.yaml"):
 
 
 @pytest.mark.parametrize("text, what", [("", "is empty"), ("  \n\n", "is empty"),
-                                        ("# all commented out\n# endpoints: []\n", "holds no settings (only comments)")])
+                                        ("# all commented out\n# endpoints: []\n", "holds no settings (only comments or null)")])
 def test_an_empty_file_is_refused_not_taken_as_all_defaults(tmp_path, text, what):
     p = write(tmp_path, text)
     with pytest.raises(ConfigError) as e:

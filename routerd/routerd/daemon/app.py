@@ -476,8 +476,9 @@ class Daemon:
                 if self.config_path is None:
                     log.info("reload: no config file to reload")
                     return False
-                settings = load_settings(self.config_path, overrides=self._overrides,
-                                         override_flags=self._override_flags)
+                # Off the event loop: a large file takes seconds to parse, and requests keep flowing.
+                settings = await asyncio.to_thread(load_settings, self.config_path, overrides=self._overrides,
+                                                   override_flags=self._override_flags)
                 if expect is not None and file_signature(self.config_path) != expect:
                     self._config_sig = None  # read again at the next poll
                     log.info("reload: %s changed while it was read; reading it again", self.config_path)
@@ -520,12 +521,18 @@ class Daemon:
             sig = file_signature(self.config_path)
             if sig is None or sig == self._config_sig:
                 continue  # a missing file keeps the running configuration
+            since = time.monotonic()
+            said = False
             while sig is not None:
                 await asyncio.sleep(self.settings.reload.settle_s)
                 again = file_signature(self.config_path)
                 if again == sig:
                     break
                 sig = again
+                if not said and time.monotonic() - since > 10.0:
+                    said = True  # once per streak: say why nothing is applied
+                    log.info("reload: %s keeps changing; waiting until it stays the same for %g s",
+                             self.config_path, self.settings.reload.settle_s)
             if sig is None:
                 continue
             self._config_sig = sig

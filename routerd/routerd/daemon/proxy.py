@@ -48,15 +48,19 @@ TASK_HEADER = "x-phasewise-task"
 #: Response header naming why routerd refused a request (llm-d's drop-reason header).
 REASON_HEADER = "x-phasewise-reject-reason"
 
+# RFC 9110 section 7.6.1 and RFC 9112, plus the non-standard Proxy-Connection that old clients send.
 _HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-    "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "expect",
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
+    "trailers", "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "expect",
 })
 _RESPONSE_DROP = frozenset({
-    "connection", "keep-alive", "transfer-encoding", "content-length", "date", "server", "upgrade", "trailer",
+    "connection", "keep-alive", "proxy-authenticate", "proxy-connection", "te", "transfer-encoding",
+    "content-length", "date", "server", "upgrade", "trailer",
 })
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _DONE = b"data: [DONE]"
+#: Stream bytes kept for the end-of-stream checks: a usage event is ~200 bytes, [DONE] 14.
+_TAIL_BYTES = 2048
 _POST_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
@@ -154,7 +158,7 @@ class _StreamRelay:
     chunk into the next, so an event split across network chunks counts once.
     """
 
-    __slots__ = ("ctr", "chunked", "ex", "ep", "r", "events", "prev_nl", "at_boundary", "t_first", "t1", "t2",
+    __slots__ = ("ctr", "chunked", "ex", "ep", "r", "events", "prev_nl", "at_boundary", "t_first", "t2",
                  "client_gone", "paused", "_poll", "cr", "pending_cr")
 
     #: Client write buffer above which the upstream is paused (bytes; 262144 in ``sink``), and
@@ -174,7 +178,7 @@ class _StreamRelay:
         self.cr = False  # a CR seen: the stream may end lines with CRLF or CR
         self.pending_cr = False  # the previous piece ended with CR
         self.t_first: float | None = None
-        self.t1 = self.t2 = b""
+        self.t2 = b""
         self.client_gone = False
         self.paused = False
         self._poll: asyncio.TimerHandle | None = None
@@ -184,8 +188,7 @@ class _StreamRelay:
             self.t_first = time.monotonic()
             self.ep.on_first_token(self.r)
         self._count(piece)
-        self.t1 = self.t2
-        self.t2 = piece
+        self._keep_tail(piece)
         ctr = self.ctr
         if ctr.is_closing():
             # The client went away: drop the upstream connection so the instance aborts.
@@ -245,9 +248,16 @@ class _StreamRelay:
         else:
             self._poll = asyncio.get_running_loop().call_later(0.01, self._check_drained)
 
+    def _keep_tail(self, piece: bytes) -> None:
+        # The stream's last bytes, whatever the read sizes: the final usage event and [DONE]
+        # may come in many small reads (issue 15: two reads were kept, and such streams
+        # counted [DONE] and the usage event as tokens).
+        t = self.t2 + piece
+        self.t2 = t if len(t) <= _TAIL_BYTES else t[-_TAIL_BYTES:]
+
     def tail(self) -> bytes:
-        """The last two reads relayed: the final usage event and ``[DONE]``, even in separate reads."""
-        return self.t1 + self.t2
+        """The last ``_TAIL_BYTES`` bytes relayed: the final usage event and ``[DONE]``, however split."""
+        return self.t2
 
     def close(self) -> None:
         if self._poll is not None:

@@ -392,7 +392,9 @@ class Router:
         self._cands = None
         base = self.failure_cooldown_s
         if base > 0:
-            ep.down_until = self.clock() + min(MAX_COOLDOWN_S, base * 2 ** (ep.connect_failures - 1))
+            # The exponent is capped: 2.0 ** 1024 overflows a float (issue 15: every request then
+            # failed with 500 once an endpoint had refused 1024 connects).
+            ep.down_until = self.clock() + min(MAX_COOLDOWN_S, base * 2.0 ** min(ep.connect_failures - 1, 32))
             if self.on_ready_change is not None:
                 self.on_ready_change()
         self.note_failure(ep, "connect")

@@ -619,6 +619,9 @@ class UpstreamPool:
         except OSError as e:
             self._forget(conn)
             raise ConnectError(f"connect to {host}:{port} failed: {e.strerror or e}") from None
+        except UnicodeError as e:  # a host name the resolver cannot encode (IDNA): never reachable
+            self._forget(conn)
+            raise ConnectError(f"connect to {host}:{port} failed: invalid host name ({e})") from None
         except BaseException:
             self._forget(conn)
             raise
