@@ -64,3 +64,37 @@ def test_flake_check_reports_the_traced_leaks(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr  # the leaking test failed its run
     assert "1 unclosed socket(s) traced to their creation" in proc.stdout, proc.stdout
     assert (logs / "run001.leaks").read_text().startswith("leak-trace: unclosed <socket.socket")
+
+
+CYCLE = '''import socket
+
+
+class Holder:
+    def __init__(self):
+        self.me = self  # a reference cycle: only the garbage collector frees it
+        self.sock = socket.socket()
+
+
+def test_cycle():
+    Holder()  # garbage at once, but not freed until a collection
+'''
+
+
+def test_leak_trace_gc_reports_a_cycle_in_the_test_that_made_it(tmp_path):
+    (tmp_path / "test_cycle.py").write_text(CYCLE)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nfilterwarnings = error\n")
+    out = tmp_path / "leaks.log"
+    env = {**os.environ, "LEAK_TRACE_OUT": str(out), "LEAK_TRACE_GC": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tools"), os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "leak_trace",
+                    "test_cycle.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    text = out.read_text()
+    assert text.count("leak-trace: unclosed <socket.socket") == 1, text
+    # Without LEAK_TRACE_GC the cycle outlives the test and no report names it (checked by
+    # the run below); with it, the collection at the test's end names the test itself.
+    assert "collected during test_cycle.py::test_cycle; created during test_cycle.py::test_cycle" in text
+    out.unlink()
+    env.pop("LEAK_TRACE_GC")
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "leak_trace",
+                    "test_cycle.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "collected during test_cycle.py::test_cycle" not in (out.read_text() if out.exists() else ""), out

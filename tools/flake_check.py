@@ -15,7 +15,9 @@ test: a test passes a run when its setup, call and teardown all passed; skipped 
 phase skipped and none failed; missing when the run ended before it (a crash, the
 per-run timeout). ``--trace-leaks`` loads ``tools/leak_trace.py``, so that each
 ``ResourceWarning: unclosed <socket ...>`` is reported with the test and the stack that
-created the socket. Each run's output goes to ``--log-dir`` (a temporary folder by
+created the socket (with ``LEAK_TRACE_GC=1`` in the environment, the garbage collector also
+runs at the end of each test, so a socket leaked in a reference cycle is reported in the test
+that leaked it). Each run's output goes to ``--log-dir`` (a temporary folder by
 default), named in the report for the runs that failed.
 
 The load processes spin in Python until ``--load-limit-s`` (default: 2 h) has passed or

@@ -22,6 +22,7 @@ import ipaddress
 import json
 import logging
 import random
+import socket
 import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -126,6 +127,15 @@ def endpoints_from_slices(
     return [out[k] for k in sorted(out)]
 
 
+class WatchError(RuntimeError):
+    """A watch answered with an HTTP error status, or streamed an ``ERROR`` event."""
+
+    def __init__(self, status, reason: str) -> None:
+        super().__init__(f"HTTP {status} {reason}")
+        self.status = status
+        self.reason = reason
+
+
 class EndpointSliceWatcher:
     """Watch a Service's EndpointSlices in a daemon thread and report its endpoint set.
 
@@ -167,7 +177,9 @@ class EndpointSliceWatcher:
         self._delivered: tuple[DiscoveredEndpoint, ...] | None = None
         self._stop = threading.Event()
         self._synced = threading.Event()
-        self._watch = None
+        self._resp = None
+        """The open watch response, if any (guarded by ``_resp_lock``)."""
+        self._resp_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         #: Lists done (the first one and every recovery), for tests and metrics.
         self.lists = 0
@@ -194,12 +206,12 @@ class EndpointSliceWatcher:
             return
         end = time.monotonic() + timeout
         while t.is_alive() and time.monotonic() < end:
-            # Watch.stop() shuts the watch's socket down so a blocked read returns at once;
-            # repeated because a watch that is still connecting has no socket yet.
-            w = self._watch
-            if w is not None:
-                w.stop()
+            # Repeated: a watch that is still connecting has no response to shut down yet.
+            self._shut_down_watch()
             t.join(0.05)
+        if t.is_alive():
+            log.warning("EndpointSlice watcher of %s/%s did not stop within %.0f s",
+                        self.namespace, self.service, timeout)
         if self._owns_client and not t.is_alive() and self._api_client is not None:
             # Its pooled TLS connections would otherwise be closed only by the garbage
             # collector, with a ResourceWarning.
@@ -267,24 +279,44 @@ class EndpointSliceWatcher:
         return body["metadata"]["resourceVersion"]
 
     def _watch_from(self, rv: str) -> str:
-        from kubernetes import watch
+        """Follow one watch from resourceVersion ``rv``; return the last one seen.
 
-        w = self._watch = watch.Watch()
-        stream = None
+        The watch response is held here rather than through ``kubernetes.watch.Watch``:
+        ``Watch.stream`` clears its stop flag when its generator first runs, so a ``stop()``
+        that lands between this thread's check and that first step is lost and the new watch
+        lives on. Here :meth:`stop` shuts the held response's socket down, and a response that
+        arrives after ``stop()`` is closed at once; every response is closed in ``finally``.
+
+        Raises whatever the request raises, :class:`WatchError` for a non-2xx answer or an
+        ``ERROR`` event (410 Gone included: the caller lists again), ``RuntimeError`` for an
+        event type it does not know.
+        """
+        from kubernetes.watch.watch import iter_resp_lines
+
+        if self._stop.is_set():
+            return rv
+        # timeout_seconds bounds the watch server-side; the read timeout is a margin over it.
+        timeout = int(self.watch_timeout_s * (1 + random.random() * 0.2))
+        log.debug("watching EndpointSlices of %s/%s from resourceVersion %s for %d s",
+                  self.namespace, self.service, rv, timeout)
+        resp = self._api.list_namespaced_endpoint_slice(
+            self.namespace, label_selector=self._selector(), resource_version=rv,
+            allow_watch_bookmarks=True, timeout_seconds=timeout, watch=True,
+            _preload_content=False, _request_timeout=(10, timeout + 30))
+        with self._resp_lock:
+            self._resp = resp
         try:
             if self._stop.is_set():
                 return rv
-            # timeout_seconds also turns off the client's own silent 410 retry, so every
-            # failure surfaces here and is answered with a fresh list.
-            timeout = int(self.watch_timeout_s * (1 + random.random() * 0.2))
-            log.debug("watching EndpointSlices of %s/%s from resourceVersion %s for %d s",
-                      self.namespace, self.service, rv, timeout)
-            stream = w.stream(self._api.list_namespaced_endpoint_slice, self.namespace,
-                              label_selector=self._selector(), resource_version=rv,
-                              allow_watch_bookmarks=True, timeout_seconds=timeout,
-                              _request_timeout=(10, timeout + 30))
-            for ev in stream:
-                kind, obj = ev.get("type"), ev.get("raw_object") or {}
+            if not 200 <= resp.status <= 299:
+                raise WatchError(resp.status, resp.reason or "")
+            for line in iter_resp_lines(resp):
+                if not line:
+                    continue
+                ev = json.loads(line)
+                kind, obj = ev.get("type"), ev.get("object") or {}
+                if kind == "ERROR":  # a Status object; 410 Gone once etcd compacted past rv
+                    raise WatchError(obj.get("code"), f"{obj.get('reason')}: {obj.get('message')}")
                 rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
                 name = (obj.get("metadata") or {}).get("name")
                 if kind in ("ADDED", "MODIFIED") and name:
@@ -297,14 +329,30 @@ class EndpointSliceWatcher:
                 else:
                     raise RuntimeError(f"unexpected watch event {kind!r}")
                 self._deliver()
+                if self._stop.is_set():
+                    break
             return rv
         finally:
-            if stream is not None:
-                # A generator left suspended (this loop raised) keeps its response open until
-                # the garbage collector finds it; Watch.stop() has by then shut its TLS socket
-                # down, and it is reported unclosed (no peer address) in whatever runs next.
-                stream.close()
-            self._watch = None
+            with self._resp_lock:
+                self._resp = None
+            # close() shuts the connection's socket unless the response already returned it,
+            # healthy, to the pool (a watch the server ended cleanly); the pool closes those.
+            resp.close()
+            resp.release_conn()
+
+    def _shut_down_watch(self) -> None:
+        """Unblock a watch read in the watcher's thread (called from :meth:`stop`)."""
+        with self._resp_lock:
+            resp = self._resp
+            conn = getattr(resp, "connection", None) if resp is not None else None
+            sock = getattr(conn, "sock", None) if conn is not None else None
+            if sock is not None:
+                try:
+                    # Closing would race the reader for the TLS object's lock; a shutdown makes
+                    # its read return at once, and the thread then closes the response itself.
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already closed or never connected
 
     def _deliver(self) -> None:
         if self._stop.is_set():
