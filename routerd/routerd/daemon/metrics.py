@@ -52,7 +52,8 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry if registry is not None else CollectorRegistry()
-        self.requests = Counter("phasewise_requests", "HTTP inference requests answered, by status code.",
+        self.requests = Counter("phasewise_requests", "HTTP requests answered on the inference routes, and on paths "
+                                "routerd does not serve (404, 405), by status code.",
                                 ["code"], registry=r)
         self.rejections = Counter("phasewise_rejections",
                                   "Requests refused before dispatch, by reason (queue_full, no_endpoint, draining, "

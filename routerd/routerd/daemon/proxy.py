@@ -324,9 +324,12 @@ class Proxy:
 
     # -- small routes ------------------------------------------------------------
     async def not_found(self, request: web.Request) -> web.Response:
+        # Counted: a client posting to a mistyped path is an inference request that failed.
         if request.path in _POST_ROUTES or request.path == "/v1/models":
+            self.d.metrics.count_response(405)
             return error_response(405, f"method {request.method} not allowed on {request.path}",
                                   "invalid_request_error", code="method_not_allowed")
+        self.d.metrics.count_response(404)
         return error_response(404, f"unknown route {request.method} {request.path}", "invalid_request_error",
                               code="not_found")
 
