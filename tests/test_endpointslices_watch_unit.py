@@ -94,3 +94,22 @@ def test_an_unknown_event_type_is_an_error():
     with pytest.raises(RuntimeError, match="unexpected watch event 'SURPRISE'"):
         w._watch_from("5")
     assert resp.closed == 1
+
+
+def test_a_given_client_is_copied_into_a_private_one_without_urllib3_retries():
+    client = pytest.importorskip("kubernetes.client")
+    cfg = client.Configuration()
+    cfg.host = "https://127.0.0.1:6443"
+    cfg.retries = 5
+    given = client.ApiClient(cfg)
+    w = EndpointSliceWatcher("ns", "svc", lambda eps: None, api_client=given,
+                             backoff_initial_s=0.01, backoff_max_s=0.02)
+    w._run = lambda: None  # no thread work: only what start() builds is checked
+    w.start()
+    own = w._api_client
+    assert own is not given and w._owns_client
+    assert own.configuration.host == cfg.host and own.configuration.retries is False
+    assert given.configuration.retries == 5  # the caller's configuration is untouched
+    w.stop()
+    assert w._api_client is None  # the private client was closed
+    given.close()

@@ -141,8 +141,9 @@ class EndpointSliceWatcher:
 
     ``on_update`` gets the complete set (sorted by name) after the first list, and again
     each time it changes; it is called from the watcher's thread. ``api_client`` is a
-    ``kubernetes.client.ApiClient``; by default one is built from the in-cluster service
-    account, or else from the kubeconfig.
+    ``kubernetes.client.ApiClient`` whose configuration the watcher copies into a client of
+    its own (closed by :meth:`stop`; the caller's stays the caller's); by default one is
+    built from the in-cluster service account, or else from the kubeconfig.
     """
 
     def __init__(
@@ -169,7 +170,8 @@ class EndpointSliceWatcher:
         self.backoff_max_s = backoff_max_s
         self._api_client = api_client
         self._owns_client = api_client is None
-        """Whether :meth:`stop` closes the client (only one this watcher built itself)."""
+        """Whether :meth:`stop` closes the client: one this watcher built itself, from the
+        environment or as a private copy of ``api_client``'s configuration (never the caller's)."""
         self.on_skip = on_skip
         """Called (from the watcher's thread) once per newly skipped entry, with its description."""
         self._skipped: set[str] = set()
@@ -191,6 +193,10 @@ class EndpointSliceWatcher:
             raise RuntimeError("EndpointSliceWatcher already started")
         if self._api_client is None:
             self._api_client = _default_api_client()
+        else:
+            private = _private_client(self._api_client)
+            if private is not None:
+                self._api_client, self._owns_client = private, True
         from kubernetes import client
 
         self._api = client.DiscoveryV1Api(self._api_client)
@@ -392,4 +398,28 @@ def _default_api_client():
         config.load_incluster_config(client_configuration=cfg)
     except config.ConfigException:
         config.load_kube_config(client_configuration=cfg)
+    cfg.retries = False  # see _private_client
+    return client.ApiClient(cfg)
+
+
+def _private_client(given):
+    """The watcher's own ``ApiClient`` on a copy of ``given``'s configuration, with urllib3's
+    retries off; None when ``given`` has no ``kubernetes.client.Configuration`` (a test fake).
+
+    Why: the watcher retries by itself (list again, with backoff), and urllib3's own retry of
+    a request whose connection broke (``connectionpool.urlopen``'s "Retrying ... after
+    connection broken") opened connections that were never closed: the chance
+    ``ResourceWarning: unclosed <ssl.SSLSocket>`` of issue 19 was traced to a socket made by
+    that retry inside a watch request, after the API server was killed under the watch. Its
+    own client also lets :meth:`EndpointSliceWatcher.stop` close every pooled connection.
+    """
+    import copy
+
+    from kubernetes import client
+
+    cfg = getattr(given, "configuration", None)
+    if not isinstance(cfg, client.Configuration):
+        return None
+    cfg = copy.deepcopy(cfg)
+    cfg.retries = False
     return client.ApiClient(cfg)
