@@ -122,7 +122,8 @@ def test_schema_is_structural(crd):
 
 _ALLOWED_KEYS = {
     "type", "description", "properties", "required", "items", "additionalProperties", "enum", "default", "format",
-    "minimum", "maximum", "exclusiveMinimum", "minLength", "maxLength", "pattern", "maxItems", "maxProperties",
+    "minimum", "maximum", "exclusiveMinimum", "minLength", "maxLength", "pattern", "minItems", "maxItems",
+    "maxProperties",
     "anyOf", "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields", "x-kubernetes-validations",
     "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
 }
@@ -155,8 +156,8 @@ def test_cel_rules_name_existing_fields(crd):
             for ref in re.findall(r"self\.([a-zA-Z.]+)", rule["rule"]):
                 t = node
                 for part in ref.split("."):
-                    if part in ("metadata", "name", "size", "matches"):
-                        break
+                    if part in ("metadata", "name", "size", "matches") or t.get("type") == "array":
+                        break  # past an array come CEL macros (all, exists) over its items
                     assert part in (t.get("properties") or {}), f"{path}: rule reads missing {ref}"
                     t = t["properties"][part]
 
@@ -206,6 +207,9 @@ def _pairs():
 
     props = spec["properties"]
     yield "model", props["model"], S.ModelSpec
+    yield "engineGroups[]", props["engineGroups"]["items"], S.EngineGroupSpec
+    yield "engineGroups[].model", props["engineGroups"]["items"]["properties"]["model"], S.ModelSpec
+    yield "engineGroups[].env[]", props["engineGroups"]["items"]["properties"]["env"]["items"], S.EnvVar
     yield "engine", props["engine"], S.EngineSpec
     yield "engine.env[]", props["engine"]["properties"]["env"]["items"], S.EnvVar
     yield "engine.tolerations[]", props["engine"]["properties"]["tolerations"]["items"], S.Toleration
@@ -286,6 +290,14 @@ VALID_POOLS = {
     "predictor": {"model": {"name": "m"}, "predictor": {"persistentVolumeClaim": {"claimName": "pred", "path": "v1"}}},
     "predictor off": {"model": {"name": "m"}, "predictor": {"name": "none"}},
     "predictor baseline": {"model": {"name": "m"}, "predictor": {"name": "task-prior"}},
+    "engine groups": {"engineGroups": [
+        {"name": "chat", "model": {"name": "meta-llama/Llama-2-7b-hf", "servedModelName": "llama-2-7b"}},
+        {"name": "chat-h100", "model": {"name": "meta-llama/Llama-2-7b-hf", "servedModelName": "llama-2-7b"},
+         "replicas": 2, "nodeSelector": {"gpu": "h100"}, "resources": {"limits": {"nvidia.com/gpu": 1}},
+         "args": ["--max-model-len", "4096"], "env": [{"name": "X", "value": "1"}],
+         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+        {"name": "code", "model": {"name": "codellama/CodeLlama-7b-hf"}, "replicas": 0}],
+        "engine": {"replicas": 3, "resources": {"limits": {"nvidia.com/gpu": 1}}}},
 }
 
 INVALID_POOLS = {
@@ -293,7 +305,14 @@ INVALID_POOLS = {
     "unknown policy": ({"model": {"name": "m"}, "routing": {"policy": "fastest"}}, "spec/routing/policy"),
     "oracle policy": ({"model": {"name": "m"}, "routing": {"policy": "oracle"}}, "spec/routing/policy"),
     "unknown profile": ({"model": {"name": "m"}, "hardwareProfile": {"name": "h100-dream"}}, "spec/hardwareProfile/name"),
-    "no model": ({}, "spec: 'model' is a required property"),
+    "group without a model": ({"engineGroups": [{"name": "a"}]}, "'model' is a required property"),
+    "no groups": ({"engineGroups": []}, "spec/engineGroups"),
+    "group name not a label": ({"engineGroups": [{"name": "Chat_1", "model": {"name": "m"}}]},
+                               "spec/engineGroups/0/name"),
+    "group name too long": ({"engineGroups": [{"name": "g" * 21, "model": {"name": "m"}}]},
+                            "spec/engineGroups/0/name"),
+    "negative group replicas": ({"engineGroups": [{"name": "a", "model": {"name": "m"}, "replicas": -1}]},
+                                "spec/engineGroups/0/replicas"),
     "empty model name": ({"model": {"name": ""}}, "spec/model/name"),
     "zero grad1": ({"model": {"name": "m"}, "hardwareProfile": {"inline": {"grad1": 0, "grad2": 1e-5, "overheadS": 0,
                                                                            "kvCapacityTokens": 16}}},
@@ -310,6 +329,26 @@ INVALID_POOLS = {
                      "spec/routerd/service/type"),
     "unknown predictor": ({"model": {"name": "m"}, "predictor": {"name": "oracle-bucket"}}, "spec/predictor/name"),
 }
+
+
+def test_group_rules_are_cel_with_the_operators_patterns():
+    """What JSON schema cannot say about engine groups is CEL (run by tests/k8s/test_operator_api.py); the
+    operator's own parse uses the same constants, so the two cannot drift."""
+    spec = _root(POOL)["properties"]["spec"]
+    rules = [r["rule"] for r in spec["x-kubernetes-validations"]]
+    assert "has(self.model) != has(self.engineGroups)" in rules
+    assert "required" not in spec  # model is no longer required on its own
+    groups = spec["properties"]["engineGroups"]
+    assert groups["x-kubernetes-list-map-keys"] == ["name"]  # the API server refuses duplicate names
+    assert (groups["minItems"], groups["maxItems"]) == (1, gen_crds.MAX_ENGINE_GROUPS)
+    name = groups["items"]["properties"]["name"]
+    assert name["maxLength"] == gen_crds.GROUP_NAME_MAX == 20 and name["pattern"] == gen_crds.GROUP_NAME_PATTERN
+    (rule,) = name["x-kubernetes-validations"]
+    assert gen_crds.GROUP_NAME_RESERVED in rule["rule"]
+    # No override has a default: an unset one means "the pool's spec.engine value".
+    for field, node in groups["items"]["properties"].items():
+        assert "default" not in node, field
+    assert set(groups["items"]["properties"]) - {"name", "model"} <= set(spec["properties"]["engine"]["properties"])
 
 
 def test_names_too_long_for_the_children_are_rejected():

@@ -34,8 +34,90 @@ def test_parse_errors_name_the_camelcase_field(spec, field, words):
 def test_missing_spec_and_model():
     with pytest.raises(SpecError, match="^spec: missing"):
         parse_pool_spec(None)
-    with pytest.raises(SpecError, match="^spec.model: Field required"):
+    with pytest.raises(SpecError, match=r"^spec.model: set spec.model \(one model\) or spec.engineGroups"):
         parse_pool_spec({})
+
+
+G2 = {"engine": {"replicas": 2, "args": ["--enforce-eager"], "nodeSelector": {"gpu": "a100"},
+                 "env": [{"name": "HF_TOKEN", "value": "t"}], "resources": {"limits": {"nvidia.com/gpu": 1}},
+                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+      "engineGroups": [
+          {"name": "llama", "model": {"name": "meta-llama/Llama-2-7b-hf", "servedModelName": "llama-2-7b"}},
+          {"name": "llama-h100", "model": {"name": "meta-llama/Llama-2-7b-hf", "servedModelName": "llama-2-7b"},
+           "replicas": 5, "args": [], "nodeSelector": {"gpu": "h100"}, "env": [{"name": "X", "value": "1"}],
+           "resources": {"limits": {"nvidia.com/gpu": 2}}, "tolerations": []},
+          {"name": "code", "model": {"name": "codellama/CodeLlama-7b-hf"}, "replicas": 0}]}
+
+
+def test_engine_groups_inherit_unset_fields_from_the_engine():
+    ps = parse_pool_spec(G2)
+    check_pool(ps)
+    a, b, c = ps.groups()
+    assert ps.multi_model and ps.model is None
+    # Unset: the pool's engine value.
+    assert (a.name, a.index, a.replicas, a.args, a.node_selector) == ("llama", 0, 2, ["--enforce-eager"], {"gpu": "a100"})
+    assert [e.name for e in a.env] == ["HF_TOKEN"] and a.resources.limits == {"nvidia.com/gpu": 1}
+    assert [t.key for t in a.tolerations] == ["nvidia.com/gpu"]
+    # Set, even to an empty list: replaces (no merge).
+    assert (b.replicas, b.args, b.node_selector, b.tolerations) == (5, [], {"gpu": "h100"}, [])
+    assert [e.name for e in b.env] == ["X"] and b.resources.limits == {"nvidia.com/gpu": 2}
+    assert (c.replicas, c.model.served, c.field("replicas")) == (0, "codellama/CodeLlama-7b-hf",
+                                                                 "spec.engineGroups[2].replicas")
+    # Two groups of one model: listed once, in spec order.
+    assert ps.served_models() == ["llama-2-7b", "codellama/CodeLlama-7b-hf"]
+    assert ps.total_replicas() == 2 + 5 + 0
+
+
+def test_the_single_model_form_is_one_unnamed_group():
+    ps = parse_pool_spec({**M, "engine": {"replicas": 4}})
+    (g,) = ps.groups()
+    assert (g.name, g.index, g.replicas, g.model.served) == ("", None, 4, "m")
+    assert not ps.multi_model and ps.served_models() == ["m"] and ps.total_replicas() == 4
+    assert (g.field("replicas"), g.field("model")) == ("spec.engine.replicas", "spec.model")
+
+
+def _groups(*names, **extra):
+    return {"engineGroups": [{"name": n, "model": {"name": f"m-{i}"}, **extra} for i, n in enumerate(names)]}
+
+
+@pytest.mark.parametrize("spec,field,words", [
+    (_groups("a", "b", "a"), "spec.engineGroups[2].name", "duplicate group name 'a'"),
+    ({**M, **_groups("a")}, "spec.engineGroups", "set spec.model or spec.engineGroups, not both"),
+    ({"engineGroups": []}, "spec.engineGroups", "needs at least one group"),
+    (_groups("a", "Chat"), "spec.engineGroups[1].name", "should match pattern"),
+    (_groups("a" * 21), "spec.engineGroups[0].name", "at most 20 characters"),
+    (_groups("x", "b-routerd"), "spec.engineGroups[1].name", "must not contain the word engine or routerd"),
+    (_groups("engine"), "spec.engineGroups[0].name", "must not contain the word engine or routerd"),
+    (_groups("engine-b"), "spec.engineGroups[0].name", "must not contain the word engine or routerd"),
+    ({"engineGroups": [{"name": "a"}]}, "spec.engineGroups[0].model", "Field required"),
+    ({"engineGroups": [{"name": "a", "model": {"name": ""}}]}, "spec.engineGroups[0].model.name", "at least 1"),
+    (_groups("a", replicas=-1), "spec.engineGroups[0].replicas", "greater than or equal to 0"),
+    (_groups("a", tolerations=[{"operator": "Sometimes"}]), "spec.engineGroups[0].tolerations[0].operator",
+     "'Exists'"),
+])
+def test_engine_group_parse_errors_name_the_field(spec, field, words):
+    with pytest.raises(SpecError) as e:
+        parse_pool_spec(spec)
+    assert e.value.field == field, e.value
+    assert words in e.value.message, e.value
+
+
+def test_engine_group_names_that_only_look_reserved_are_fine():
+    ps = parse_pool_spec(_groups("engines", "routerd2", "my-engineer"))
+    assert [g.name for g in ps.groups()] == ["engines", "routerd2", "my-engineer"]
+
+
+@pytest.mark.parametrize("group,field,words", [
+    ({"resources": {"requests": {"nvidia.com/gpu": 1}}}, "spec.engineGroups[1].resources", "must not request"),
+    ({"args": ["--enforce-eager"]}, "spec.engineGroups[1].args", "emulated pool must not"),
+])
+def test_emulated_groups_are_checked_like_the_engine(group, field, words):
+    spec = {"emulated": True, "engineGroups": [{"name": "a", "model": {"name": "m"}},
+                                               {"name": "b", "model": {"name": "n"}, **group}]}
+    ps = parse_pool_spec(spec)
+    with pytest.raises(SpecError) as e:
+        check_pool(ps)
+    assert e.value.field == field and words in e.value.message, e.value
 
 
 @pytest.mark.parametrize("spec,field,words", [

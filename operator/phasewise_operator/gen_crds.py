@@ -30,6 +30,20 @@ POOL_NAME_MAX = 55
 #: Job names become batch Job names and the ``batch.kubernetes.io/job-name`` label (63).
 JOB_NAME_MAX = 52
 
+#: Engine group names are label values (``phasewise.io/engine-group``, at most 63) and end the
+#: Deployment name ``<pool>-engine-<group>`` (at most 55 + 8 + 20 = 83 characters, well within
+#: the 253 of an object name); 20 also keeps the pods' generated names (cut at 58 characters
+#: by the API server before the random suffix) telling their group apart for most pool names.
+GROUP_NAME_MAX = 20
+GROUP_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+#: Words a group name may not contain as a dash-separated part: with them ``<pool>-engine-<group>``
+#: could equal another pool's ``<q>-engine``, ``<q>-routerd`` or ``<q>-engine-<h>`` (e.g. pool ``a``,
+#: group ``b-routerd`` and pool ``a-engine-b``'s routerd), and server-side apply would take it over.
+RESERVED_GROUP_WORDS = ("engine", "routerd")
+GROUP_NAME_RESERVED = r"(^|-)(engine|routerd)(-|$)"
+#: Most engine groups in one pool (bounds the CEL rules' cost and the status object).
+MAX_ENGINE_GROUPS = 16
+
 DEFAULT_POLICY = "late_binding"
 """The default routing policy: the best mean E2E without a tail penalty in docs/results.md."""
 DEFAULT_PROFILE = "llama2-7b-v100"
@@ -234,7 +248,8 @@ def inline_profile_schema(desc: str) -> dict[str, Any]:
 
 def pool_spec_schema() -> dict[str, Any]:
     """OpenAPI schema of ``LLMRouterPool.spec``."""
-    engine = _o("The serving instances: vLLM (or the emulator when emulated) with a state sidecar each.", {
+    engine = _o("The serving instances: vLLM (or the emulator when emulated) with a state sidecar each. "
+                "With engineGroups: the values every group starts from.", {
         "image": _image("vLLM image (default: the operator's vllmImage setting). Ignored when emulated."),
         "imagePullPolicy": _PULL_POLICY,
         "args": {"type": "array", "maxItems": 128, "items": {"type": "string", "maxLength": 4096},
@@ -242,8 +257,8 @@ def pool_spec_schema() -> dict[str, Any]:
                                 "(e.g. --max-model-len, --tensor-parallel-size). Not allowed when emulated."},
         "env": _ENV,
         "resources": _resources("Resources of the vLLM (or emulator) container, e.g. limits nvidia.com/gpu: 1."),
-        "replicas": _i("Number of serving instances (the scale subresource).", minimum=0, maximum=10000,
-                       default=1),
+        "replicas": _i("Number of serving instances (the scale subresource); with engineGroups, of each group "
+                       "that does not set its own.", minimum=0, maximum=10000, default=1),
         "port": _i("Container port of the OpenAI API (the Service port named http).", minimum=1, maximum=65535,
                    default=8000),
         "modelCacheClaim": _s("PersistentVolumeClaim mounted as the Hugging Face cache (HF_HOME). "
@@ -331,11 +346,49 @@ def pool_spec_schema() -> dict[str, Any]:
     gpu_free = ("!has(self.engine) || !has(self.engine.resources) || "
                 "((!has(self.engine.resources.limits) || !('nvidia.com/gpu' in self.engine.resources.limits)) && "
                 "(!has(self.engine.resources.requests) || !('nvidia.com/gpu' in self.engine.resources.requests)))")
-    return _o("Desired state of the pool.", {
-        "model": _o("The model every instance serves.", {
+    groups_gpu_free = ("!has(self.engineGroups) || self.engineGroups.all(g, !has(g.resources) || "
+                       "((!has(g.resources.limits) || !('nvidia.com/gpu' in g.resources.limits)) && "
+                       "(!has(g.resources.requests) || !('nvidia.com/gpu' in g.resources.requests))))")
+
+    def model(desc: str) -> dict[str, Any]:
+        return _o(desc, {
             "name": _s("Model to load (Hugging Face id or path; vLLM --model).", minLength=1, maxLength=1024),
             "servedModelName": _s("Name clients send as \"model\" (default: name).", minLength=1, maxLength=1024),
-        }, required=["name"]),
+        }, required=["name"])
+
+    engine_props = engine["properties"]
+    group = _o("One model with its own engine Deployment <pool>-engine-<name>. Every field left out is the "
+               "pool's spec.engine value; one that is set replaces it (lists and maps are not merged).", {
+        "name": _s(f"Group name: a DNS-1123 label of at most {GROUP_NAME_MAX} characters, unique in the pool, "
+                   "without the words engine or routerd (so <pool>-engine-<name> is no other pool's child). "
+                   "Labels the group's pods phasewise.io/engine-group.",
+                   minLength=1, maxLength=GROUP_NAME_MAX, pattern=GROUP_NAME_PATTERN,
+                   **{"x-kubernetes-validations": [
+                       _rule(f"!self.matches('{GROUP_NAME_RESERVED}')",
+                             "a group name must not contain the word engine or routerd", reason="FieldValueInvalid"),
+                   ]}),
+        "model": model("The model this group's instances serve."),
+        "replicas": _i("Number of this group's instances (default: spec.engine.replicas).", minimum=0,
+                       maximum=10000),
+        "args": {**engine_props["args"], "description": "Extra vLLM arguments of this group (default: "
+                 "spec.engine.args). Not allowed when emulated."},
+        "env": {**_ENV, "description": "Environment variables of this group's engine container (default: "
+                "spec.engine.env)."},
+        "resources": _resources("Resources of this group's vLLM (or emulator) container (default: "
+                                "spec.engine.resources)."),
+        "nodeSelector": {**_NODE_SELECTOR, "description": "Node labels this group's pods must run on (default: "
+                         "spec.engine.nodeSelector), e.g. another GPU node pool for the same model."},
+        "tolerations": {**_TOLERATIONS, "description": "Tolerations of this group's pods (default: "
+                        "spec.engine.tolerations)."},
+    }, required=["name", "model"])
+    return _o("Desired state of the pool. Set exactly one of model (one model) and engineGroups (several).", {
+        "model": model("The model every instance serves (a single-model pool; exclusive with engineGroups)."),
+        "engineGroups": {"type": "array", "minItems": 1, "maxItems": MAX_ENGINE_GROUPS,
+                         "description": "Several models in one pool (exclusive with model): each group is one "
+                         "engine Deployment behind the one engine Service; routerd serves the union of their "
+                         "served names and routes each request to the instances of its model.",
+                         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
+                         "items": group},
         "engine": engine,
         "sidecar": sidecar,
         "hardwareProfile": profile,
@@ -347,13 +400,23 @@ def pool_spec_schema() -> dict[str, Any]:
         "imagePullSecrets": {"type": "array", "maxItems": 16, "description": "Secrets for pulling the images.",
                              "items": _o("A Secret reference.", {"name": _s("Secret name.", maxLength=253)},
                                          required=["name"])},
-    }, required=["model"], **{"x-kubernetes-validations": [
+    }, **{"x-kubernetes-validations": [
+        _rule("has(self.model) != has(self.engineGroups)",
+              "set exactly one of spec.model (one model) or spec.engineGroups (several)",
+              reason="FieldValueInvalid"),
         _rule(f"!self.emulated || {gpu_free}",
               "an emulated pool must not request nvidia.com/gpu (spec.engine.resources)",
               field_path=".engine.resources", reason="FieldValueForbidden"),
+        _rule(f"!self.emulated || {groups_gpu_free}",
+              "an emulated pool must not request nvidia.com/gpu (spec.engineGroups[*].resources)",
+              field_path=".engineGroups", reason="FieldValueForbidden"),
         _rule("!self.emulated || !has(self.engine) || !has(self.engine.args) || size(self.engine.args) == 0",
               "engine.args are vLLM arguments; an emulated pool must not set them",
               field_path=".engine.args", reason="FieldValueForbidden"),
+        _rule("!self.emulated || !has(self.engineGroups) || "
+              "self.engineGroups.all(g, !has(g.args) || size(g.args) == 0)",
+              "engineGroups[*].args are vLLM arguments; an emulated pool must not set them",
+              field_path=".engineGroups", reason="FieldValueForbidden"),
         _rule("!has(self.engine) || !has(self.sidecar) || !has(self.engine.port) || !has(self.sidecar.port) || "
               "self.engine.port != self.sidecar.port",
               "engine.port and sidecar.port must differ", field_path=".sidecar.port", reason="FieldValueInvalid"),
@@ -365,8 +428,8 @@ def pool_status_schema() -> dict[str, Any]:
     return _o("Observed state of the pool.", {
         "observedGeneration": _i("The .metadata.generation the status describes.", format="int64"),
         "conditions": _condition_list("Ready, Progressing and Degraded."),
-        "replicas": _i("Engine pods that exist (the scale subresource's status replicas)."),
-        "readyInstances": _i("Engine pods that are ready (from the engine Deployment)."),
+        "replicas": _i("Engine pods that exist, of all groups (the scale subresource's status replicas)."),
+        "readyInstances": _i("Engine pods that are ready, of all groups (from the engine Deployments)."),
         "selector": _s("Label selector of the engine pods (the scale subresource's selector)."),
         "endpoints": {"type": "array", "maxItems": 512, "description": "Engine endpoints routerd sees (from "
                       "the engine Service's EndpointSlices; at most 512 listed).",
@@ -376,6 +439,16 @@ def pool_status_schema() -> dict[str, Any]:
                           "stateAddress": _s("host:port of the state sidecar."),
                           "ready": _b("Whether it receives new requests."),
                       })},
+        "engineGroups": {"type": "array", "maxItems": MAX_ENGINE_GROUPS, "description": "Per engine group "
+                         "(pools with spec.engineGroups only; replicas and readyInstances above are their sums).",
+                         "items": _o("One group.", {
+                             "name": _s("Group name (spec.engineGroups[].name)."),
+                             "model": _s("Served model name of the group."),
+                             "deployment": _s("Name of the group's engine Deployment."),
+                             "desiredReplicas": _i("Instances the group's Deployment asks for."),
+                             "replicas": _i("The group's engine pods that exist."),
+                             "readyInstances": _i("The group's engine pods that are ready."),
+                         })},
         "routerURL": _s("In-cluster URL of the routerd Service (OpenAI API)."),
         "activePolicy": _s("Routing policy routerd was configured with."),
         "activeProfile": _s("Hardware profile routerd was configured with: a shipped name, or "

@@ -13,12 +13,14 @@ e.g. ``spec.routing.params.reserve_fraction: Input should be less than 1``.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from phasewise_operator.gen_crds import DEFAULT_POLICY, DEFAULT_PREDICTOR, DEFAULT_PROFILE
+from phasewise_operator.gen_crds import (DEFAULT_POLICY, DEFAULT_PREDICTOR, DEFAULT_PROFILE, GROUP_NAME_MAX,
+                                         GROUP_NAME_PATTERN, GROUP_NAME_RESERVED, RESERVED_GROUP_WORDS)
 
 Quantity = int | str
 
@@ -194,10 +196,74 @@ class SecretRef(_Spec):
     name: str
 
 
+class EngineGroupSpec(_Spec):
+    """One entry of ``spec.engineGroups``: a model with its own Deployment; every unset
+    override is the pool's ``spec.engine`` value (a set one replaces it, lists and maps
+    are not merged)."""
+
+    name: str = Field(min_length=1, max_length=GROUP_NAME_MAX, pattern=GROUP_NAME_PATTERN)
+    """Group name: a DNS-1123 label without the words ``engine`` or ``routerd``, so that
+    ``<pool>-engine-<name>`` can be no other child's name (see ``gen_crds.GROUP_NAME_RESERVED``)."""
+    model: ModelSpec
+    """The model this group's instances serve."""
+    replicas: int | None = Field(default=None, ge=0)
+    """Instances of this group; None = ``spec.engine.replicas``."""
+    args: list[str] | None = None
+    """Extra vLLM arguments; None = ``spec.engine.args``."""
+    env: list[EnvVar] | None = None
+    """Environment of the engine container; None = ``spec.engine.env``."""
+    resources: Resources | None = None
+    """Resources of the engine container; None = ``spec.engine.resources``."""
+    node_selector: dict[str, str] | None = None
+    """Node labels; None = ``spec.engine.nodeSelector``."""
+    tolerations: list[Toleration] | None = None
+    """Tolerations; None = ``spec.engine.tolerations``."""
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, v: str) -> str:
+        if re.search(GROUP_NAME_RESERVED, v):
+            raise ValueError(f"group name {v!r} must not contain the word "
+                             f"{' or '.join(RESERVED_GROUP_WORDS)} (its Deployment <pool>-engine-{v} "
+                             "could be another pool's child)")
+        return v
+
+
+@dataclass(frozen=True)
+class EngineGroup:
+    """A group with the pool's engine values filled in: what one engine Deployment serves.
+
+    The single-model form (``spec.model``) is one group with ``name`` "" whose fields
+    are ``spec.engine``'s.
+    """
+
+    name: str
+    """"" for the single-model form, else ``spec.engineGroups[i].name``."""
+    index: int | None
+    """Position in ``spec.engineGroups``; None for the single-model form."""
+    model: ModelSpec
+    replicas: int
+    args: list[str]
+    env: list[EnvVar]
+    resources: Resources
+    node_selector: dict[str, str]
+    tolerations: list[Toleration]
+
+    def field(self, name: str) -> str:
+        """The spec path a user sets ``name`` (camelCase) at for this group, e.g.
+        ``spec.engineGroups[1].replicas``, or ``spec.engine.replicas`` where the group inherits it."""
+        if self.index is None:
+            return "spec.model" if name == "model" else f"spec.engine.{name}"
+        return f"spec.engineGroups[{self.index}].{name}"
+
+
 class PoolSpec(_Spec):
     """``LLMRouterPool.spec``."""
 
-    model: ModelSpec
+    model: ModelSpec | None = None
+    """The one model of a single-model pool; exclusive with ``engine_groups``."""
+    engine_groups: list[EngineGroupSpec] | None = None
+    """Several models, one Deployment each; exclusive with ``model``."""
     engine: EngineSpec = Field(default_factory=EngineSpec)
     sidecar: SidecarSpec = Field(default_factory=SidecarSpec)
     hardware_profile: HardwareProfileRef = Field(default_factory=lambda: HardwareProfileRef(name=DEFAULT_PROFILE))
@@ -208,6 +274,41 @@ class PoolSpec(_Spec):
     routerd: RouterdSpec = Field(default_factory=RouterdSpec)
     emulated: bool = False
     image_pull_secrets: list[SecretRef] = Field(default_factory=list)
+
+    @property
+    def multi_model(self) -> bool:
+        """Whether the pool uses ``engineGroups`` (else the single-model ``model``)."""
+        return self.engine_groups is not None
+
+    def groups(self) -> list[EngineGroup]:
+        """Every engine group in spec order, overrides resolved against ``spec.engine``.
+
+        Raises:
+            SpecError: neither ``model`` nor ``engineGroups`` is set (``parse_pool_spec``
+                refuses such a spec first).
+        """
+        e = self.engine
+        if self.engine_groups is None:
+            if self.model is None:
+                raise SpecError("spec.model", "set spec.model (one model) or spec.engineGroups (several)")
+            return [EngineGroup("", None, self.model, e.replicas, list(e.args), list(e.env), e.resources,
+                                dict(e.node_selector), list(e.tolerations))]
+
+        def pick(value, default):
+            return default if value is None else value
+
+        return [EngineGroup(g.name, i, g.model, pick(g.replicas, e.replicas), list(pick(g.args, e.args)),
+                            list(pick(g.env, e.env)), pick(g.resources, e.resources),
+                            dict(pick(g.node_selector, e.node_selector)), list(pick(g.tolerations, e.tolerations)))
+                for i, g in enumerate(self.engine_groups)]
+
+    def served_models(self) -> list[str]:
+        """The names clients may send as ``model``: each group's served name, in spec order, once each."""
+        return list(dict.fromkeys(g.model.served for g in self.groups()))
+
+    def total_replicas(self) -> int:
+        """Engine instances of all groups together."""
+        return sum(g.replicas for g in self.groups())
 
 
 class ProfileTask(_Spec):
@@ -292,9 +393,25 @@ def parse_pool_spec(spec: dict[str, Any] | None) -> PoolSpec:
     """``PoolSpec`` from the stored camelCase spec.
 
     Raises:
-        SpecError: naming the first invalid field (``spec.…``).
+        SpecError: naming the first invalid field (``spec.…``), including what the
+            schema's CEL rules check: exactly one of ``model`` and a non-empty
+            ``engineGroups``, and group names unique within the pool.
     """
-    return _parse(PoolSpec, spec)
+    ps = _parse(PoolSpec, spec)
+    if ps.engine_groups is None:
+        if ps.model is None:
+            raise SpecError("spec.model", "set spec.model (one model) or spec.engineGroups (several)")
+        return ps
+    if ps.model is not None:
+        raise SpecError("spec.engineGroups", "set spec.model or spec.engineGroups, not both")
+    if not ps.engine_groups:
+        raise SpecError("spec.engineGroups", "needs at least one group (or set spec.model instead)")
+    seen: set[str] = set()
+    for i, g in enumerate(ps.engine_groups):
+        if g.name in seen:
+            raise SpecError(f"spec.engineGroups[{i}].name", f"duplicate group name {g.name!r}")
+        seen.add(g.name)
+    return ps
 
 
 def parse_job_spec(spec: dict[str, Any] | None) -> JobSpec:
@@ -361,6 +478,12 @@ def check_pool(spec: PoolSpec) -> None:
         raise SpecError("spec.engine.resources", "an emulated pool must not request nvidia.com/gpu")
     if spec.emulated and spec.engine.args:
         raise SpecError("spec.engine.args", "engine.args are vLLM arguments; an emulated pool must not set them")
+    for i, g in enumerate(spec.engine_groups or []):
+        where = f"spec.engineGroups[{i}]"
+        if spec.emulated and g.resources is not None and g.resources.requests_gpu():
+            raise SpecError(f"{where}.resources", "an emulated pool must not request nvidia.com/gpu")
+        if spec.emulated and g.args:
+            raise SpecError(f"{where}.args", "args are vLLM arguments; an emulated pool must not set them")
     if spec.engine.port == spec.sidecar.port:
         raise SpecError("spec.sidecar.port", "engine.port and sidecar.port must differ")
 
