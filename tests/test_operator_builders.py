@@ -426,3 +426,151 @@ def test_model_cache_claim():
     assert vol["persistentVolumeClaim"] == {"claimName": "hf-cache"}
     vllm = _container(dep, "vllm")
     assert next(e["value"] for e in vllm["env"] if e["name"] == "HF_HOME") == "/models"
+
+
+# ---------------------------------------------------------------- engine groups (several models)
+
+GROUPS_SPEC = {
+    "engine": {"replicas": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}, "nodeSelector": {"gpu": "a100"},
+               "args": ["--max-model-len", "4096"]},
+    "engineGroups": [
+        {"name": "llama", "model": {"name": "meta-llama/Llama-2-7b-hf", "servedModelName": "llama-2-7b"}},
+        {"name": "llama-h100", "model": {"name": "meta-llama/Llama-2-7b-hf", "servedModelName": "llama-2-7b"},
+         "replicas": 3, "nodeSelector": {"gpu": "h100"}, "args": [], "resources": {"limits": {"nvidia.com/gpu": 2}},
+         "tolerations": [{"key": "h100", "operator": "Exists", "effect": "NoSchedule"}]},
+        {"name": "code", "model": {"name": "codellama/CodeLlama-7b-hf"}, "replicas": 1,
+         "env": [{"name": "HF_TOKEN", "value": "t"}]},
+    ],
+    "hardwareProfile": {"name": "llama2-7b-a100"},
+}
+EMU_GROUPS_SPEC = {"emulated": True, "engine": {"replicas": 2}, "engineGroups": [
+    {"name": "a", "model": {"name": "model-a"}}, {"name": "b", "model": {"name": "org/model-b"}, "replicas": 1}]}
+
+
+def _labels_match(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def test_one_engine_deployment_per_group_behind_one_service():
+    kids = _children(GROUPS_SPEC)
+    assert sorted(k for k in kids if k[0] in ("Deployment", "Service")) == [
+        ("Deployment", "chat-engine-code"), ("Deployment", "chat-engine-llama"),
+        ("Deployment", "chat-engine-llama-h100"), ("Deployment", "chat-routerd"),
+        ("Service", "chat-engine"), ("Service", "chat-routerd")]
+    deps = {g: kids[("Deployment", f"chat-engine-{g}")] for g in ("llama", "llama-h100", "code")}
+    assert {g: d["spec"]["replicas"] for g, d in deps.items()} == {"llama": 2, "llama-h100": 3, "code": 1}
+    for g, d in deps.items():
+        assert d["metadata"]["labels"]["phasewise.io/engine-group"] == g
+        assert d["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"
+        assert d["metadata"]["ownerReferences"][0]["uid"] == POOL.uid
+        assert d["spec"]["selector"]["matchLabels"] == {"phasewise.io/pool": "chat",
+                                                         "app.kubernetes.io/component": "engine",
+                                                         "phasewise.io/engine-group": g}
+    assert deps["llama"]["metadata"]["labels"]["phasewise.io/model"] == "llama-2-7b"
+    assert deps["code"]["metadata"]["labels"]["phasewise.io/model"] == "codellama_CodeLlama-7b-hf"
+    assert deps["code"]["metadata"]["annotations"] == {"phasewise.io/model": "codellama/CodeLlama-7b-hf"}
+    svc = kids[("Service", "chat-engine")]
+    for g, d in deps.items():
+        pod_labels = d["spec"]["template"]["metadata"]["labels"]
+        assert _labels_match(d["spec"]["selector"], pod_labels), g  # the Deployment owns its pods
+        assert all(pod_labels.get(k) == v for k, v in svc["spec"]["selector"].items()), g  # the Service finds them
+        for other, od in deps.items():
+            if other != g:  # no Deployment selects another group's pods
+                assert not _labels_match(od["spec"]["selector"], pod_labels), (other, g)
+
+
+def test_group_overrides_reach_the_containers():
+    kids = _children(GROUPS_SPEC)
+    llama, h100, code = (kids[("Deployment", f"chat-engine-{g}")] for g in ("llama", "llama-h100", "code"))
+    a, b, c = (_container(d, "vllm") for d in (llama, h100, code))
+    assert a["args"] == ["meta-llama/Llama-2-7b-hf", "--served-model-name", "llama-2-7b", "--host", "0.0.0.0",
+                         "--port", "8000", "--max-model-len", "4096"]
+    assert b["args"] == ["meta-llama/Llama-2-7b-hf", "--served-model-name", "llama-2-7b", "--host", "0.0.0.0",
+                         "--port", "8000"]  # args: [] replaces the engine's
+    assert c["args"][:3] == ["codellama/CodeLlama-7b-hf", "--served-model-name", "codellama/CodeLlama-7b-hf"]
+    assert (a["resources"], b["resources"]) == ({"limits": {"nvidia.com/gpu": 1}}, {"limits": {"nvidia.com/gpu": 2}})
+    pods = [d["spec"]["template"]["spec"] for d in (llama, h100, code)]
+    assert [p["nodeSelector"] for p in pods] == [{"gpu": "a100"}, {"gpu": "h100"}, {"gpu": "a100"}]
+    assert "tolerations" not in pods[0] and pods[1]["tolerations"] == [
+        {"key": "h100", "operator": "Exists", "effect": "NoSchedule"}]
+    assert {"name": "HF_TOKEN", "value": "t"} in c["env"] and "HF_TOKEN" not in {e["name"] for e in a["env"]}
+    for d in (llama, h100, code):
+        check_restricted(d["spec"]["template"]["spec"], d["metadata"]["name"])
+
+
+def test_routerd_serves_the_union_of_the_groups_models(tmp_path):
+    cm = _children(GROUPS_SPEC)[("ConfigMap", "chat-routerd")]
+    s = _settings_from_configmap(cm, tmp_path)
+    # Spec order, the model of two groups once; every group's pods behind the one Service.
+    assert s.models == ["llama-2-7b", "codellama/CodeLlama-7b-hf"]
+    assert s.kubernetes.service == "chat-engine"
+
+
+def test_emulated_groups_serve_their_own_model(tmp_path):
+    from routerd.emulator.cli import add_parser, settings_from_args
+
+    import argparse
+
+    kids = _children(EMU_GROUPS_SPEC)
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"))
+    seen = {}
+    for g in ("a", "b"):
+        dep = kids[("Deployment", f"chat-engine-{g}")]
+        emu = _container(dep, "emulator")
+        seen[g] = settings_from_args(parser.parse_args(["emulate", *emu["args"]]), environ={}).model
+        assert dep["spec"]["template"]["metadata"]["annotations"]["phasewise.io/model"] == seen[g]
+        assert B.ANNOTATION_PROFILE_HASH in dep["spec"]["template"]["metadata"]["annotations"]
+    assert seen == {"a": "model-a", "b": "org/model-b"}
+    assert kids[("Deployment", "chat-engine-a")]["spec"]["replicas"] == 2
+    assert kids[("Deployment", "chat-engine-b")]["spec"]["replicas"] == 1
+    assert yaml.safe_load(kids[("ConfigMap", "chat-routerd")]["data"]["routerd.yaml"])["models"] == \
+        ["model-a", "org/model-b"]
+
+
+def test_the_single_model_form_keeps_its_names_labels_and_selector():
+    """Existing pools see the same engine Deployment after an upgrade: no group label, so no pod rolls."""
+    dep = _children(GPU_SPEC)[("Deployment", "chat-engine")]
+    assert dep["metadata"]["labels"] == B.labels("chat", "engine")
+    assert "annotations" not in dep["metadata"]
+    assert dep["spec"]["template"]["metadata"] == {"labels": B.labels("chat", "engine")}
+    assert dep["spec"]["selector"] == {"matchLabels": B.selector("chat", "engine")}
+    assert B.engine_group_name("chat", "") == "chat-engine" == B.engine_name("chat")
+
+
+@pytest.mark.parametrize("served,label", [
+    ("llama-2-7b", "llama-2-7b"),
+    ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama_Llama-3.1-8B-Instruct"),
+    ("/models/x/", "models_x"),
+    ("m" * 80, "m" * 46 + "-" + B.short_hash("m" * 80)),
+])
+def test_model_label_is_a_valid_label_value(served, label):
+    import re
+
+    value = B.model_label(served)
+    assert value == label
+    assert len(value) <= 63 and re.fullmatch(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]", value)
+
+
+def test_stale_engine_deployments_are_only_the_pools_own_unwanted_ones():
+    ps = parse_pool_spec(EMU_GROUPS_SPEC)
+
+    def dep(name, uid=POOL.uid, component="engine"):
+        return {"metadata": {"name": name, "labels": {"app.kubernetes.io/component": component},
+                             "ownerReferences": [{"uid": uid, "controller": True}]}}
+
+    observed = [dep("chat-engine-a"), dep("chat-engine-b"), dep("chat-engine-gone"), dep("chat-engine"),
+                dep("chat-engine-foreign", uid="someone-else"), dep("chat-routerd", component="routerd")]
+    assert B.stale_engine_deployments(POOL, ps, observed) == ["chat-engine", "chat-engine-gone"]
+    single = parse_pool_spec(EMU_SPEC)
+    assert B.stale_engine_deployments(POOL, single, observed) == ["chat-engine-a", "chat-engine-b", "chat-engine-gone"]
+
+
+def test_a_refused_group_deployment_blames_the_groups_own_field():
+    ps = parse_pool_spec(GROUPS_SPEC)
+    kids = _children(GROUPS_SPEC)
+    msg = 'Deployment.apps "x" is invalid: spec.template.spec.containers[0].resources.limits[nvidia.com/gpu]: Invalid'
+    assert B.blame(kids[("Deployment", "chat-engine-llama-h100")], msg, ps) == "spec.engineGroups[1].resources"
+    assert B.blame(kids[("Deployment", "chat-engine-llama")], msg, ps) == "spec.engine.resources"  # inherited
+    assert B.blame(kids[("Deployment", "chat-engine-code")], "spec.replicas: Invalid value", ps) == \
+        "spec.engineGroups[2].replicas"

@@ -6,8 +6,12 @@ controller owner reference, so deleting the pool deletes them):
 ===========================  ========================================================
 ``P-engine`` Deployment      vLLM (or ``phasewise emulate`` when emulated) and the
                              ``phasewise sidecar`` beside it, ``spec.engine.replicas``
-``P-engine`` Service         headless; ports named ``http`` and ``state``, which
-                             routerd's EndpointSlice watcher looks for
+                             (a single-model pool, ``spec.model``)
+``P-engine-G`` Deployment    the same for engine group ``G`` of ``spec.engineGroups``
+                             (one each), pods labelled ``phasewise.io/engine-group: G``
+``P-engine`` Service         headless, selecting the pods of every engine Deployment;
+                             ports named ``http`` and ``state``, which routerd's
+                             EndpointSlice watcher looks for
 ``P-routerd`` ConfigMap      ``routerd.yaml`` (routerd's :class:`~routerd.daemon.config.Settings`),
                              ``profile.yaml`` for an inline profile, and the DQN
                              checkpoint (``checkpoint-model.safetensors``,
@@ -33,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -40,7 +45,7 @@ import yaml
 
 from phasewise_operator.gen_crds import API_VERSION, DEFAULT_PREDICTOR
 from phasewise_operator.settings import OperatorSettings
-from phasewise_operator.spec import PoolSpec, Resources, resolve_profile
+from phasewise_operator.spec import EngineGroup, PoolSpec, Resources, resolve_profile
 
 # ---------------------------------------------------------------- names and labels
 
@@ -51,6 +56,12 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_POOL = "phasewise.io/pool"
 LABEL_JOB = "phasewise.io/job"
+LABEL_ENGINE_GROUP = "phasewise.io/engine-group"
+"""The engine group of a Deployment and its pods (pools with ``spec.engineGroups`` only)."""
+LABEL_MODEL = "phasewise.io/model"
+"""The served model of a group's Deployment and pods, as a label value (:func:`model_label`)."""
+ANNOTATION_MODEL = "phasewise.io/model"
+"""The exact served model name (a label value cannot hold every model name, e.g. ``org/model``)."""
 MANAGED_BY = "phasewise-operator"
 
 ANNOTATION_RESTART_HASH = "phasewise.io/restart-hash"
@@ -100,6 +111,28 @@ def engine_name(pool: str) -> str:
     return f"{pool}-engine"
 
 
+def engine_group_name(pool: str, group: str) -> str:
+    """Deployment of engine group ``group`` (``spec.engineGroups[].name``); "" = the single-model ``P-engine``.
+
+    Unique among every pool's children: group names exclude the words ``engine`` and
+    ``routerd`` (``gen_crds.RESERVED_GROUP_WORDS``).
+    """
+    return f"{engine_name(pool)}-{group}" if group else engine_name(pool)
+
+
+def model_label(served: str) -> str:
+    """``served`` as a label value (at most 63 of ``[A-Za-z0-9._-]``, alphanumeric at both ends).
+
+    Other characters (``/`` of ``org/model``) become ``_``; a longer name keeps its first
+    46 characters and a hash of the whole, so two long names stay apart. The exact name
+    is in the :data:`ANNOTATION_MODEL` annotation.
+    """
+    value = re.sub(r"[^A-Za-z0-9._-]", "_", served)
+    if len(value) > 63:
+        value = value[:46].rstrip("._-") + "-" + short_hash(served)
+    return value.strip("._-") or short_hash(served)
+
+
 def routerd_name(pool: str) -> str:
     """routerd's Deployment, Service, ConfigMap, ServiceAccount, Role and RoleBinding."""
     return f"{pool}-routerd"
@@ -120,6 +153,15 @@ def labels(pool: str, component: str) -> dict[str, str]:
 def selector(pool: str, component: str) -> dict[str, str]:
     """The pod selector of a component (a subset of :func:`labels`, immutable once created)."""
     return {LABEL_POOL: pool, LABEL_COMPONENT: component}
+
+
+def engine_selector(pool: str, group: str = "") -> dict[str, str]:
+    """The pod selector of one engine Deployment: :func:`selector` plus the group, so no two groups'
+    Deployments select each other's pods (the single-model form keeps its selector: it is immutable)."""
+    sel = selector(pool, "engine")
+    if group:
+        sel[LABEL_ENGINE_GROUP] = group
+    return sel
 
 
 def selector_string(pool: str, component: str) -> str:
@@ -189,7 +231,8 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
     """routerd's settings for the pool: what :class:`routerd.daemon.config.Settings` validates.
 
     Endpoints come from the EndpointSlices of the engine Service (ports ``http`` and
-    ``state``); the profile is a shipped name or :data:`PROFILE_FILE`; policy ``dqn``
+    ``state``), which selects the pods of every engine group; ``models`` lists each
+    group's served name once, in spec order; the profile is a shipped name or :data:`PROFILE_FILE`; policy ``dqn``
     loads its checkpoint from :data:`CHECKPOINT_DIR`; the predictor is ``predictor.name``
     (``none`` turns it off), the volume's folder under :data:`PREDICTOR_DIR`, or, when
     ``spec.predictor`` is unset or null, :data:`~phasewise_operator.gen_crds.DEFAULT_PREDICTOR`
@@ -215,7 +258,9 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
     return {
         "http": {"host": "0.0.0.0", "port": ROUTERD_HTTP_PORT},
         "grpc": {"host": "0.0.0.0", "port": ROUTERD_GRPC_PORT},
-        "models": [spec.model.served],
+        # The union of the groups' names: routerd learns which endpoint serves which from
+        # each endpoint's own /v1/models, so every group stays behind the one engine Service.
+        "models": spec.served_models(),
         "kubernetes": {"enabled": True, "namespace": pool.namespace, "service": engine_name(pool.name),
                        "http_port_name": "http", "state_port_name": "state"},
         "policy": {"name": spec.routing.policy, "params": params},
@@ -297,14 +342,21 @@ _POD_ENV = [
 ]
 
 
-def vllm_container(spec: PoolSpec, settings: OperatorSettings) -> dict[str, Any]:
-    """The vLLM container: ``vllm serve MODEL --served-model-name NAME --port PORT`` plus ``engine.args``.
+def _group(spec: PoolSpec, group: EngineGroup | None) -> EngineGroup:
+    """``group``, or the one group of a single-model pool (the first of a multi-model one)."""
+    return group if group is not None else spec.groups()[0]
 
+
+def vllm_container(spec: PoolSpec, settings: OperatorSettings, group: EngineGroup | None = None) -> dict[str, Any]:
+    """The vLLM container: ``vllm serve MODEL --served-model-name NAME --port PORT`` plus the group's args.
+
+    ``group`` (default: the pool's only one) supplies the model, args, env and resources.
     vLLM writes caches under HOME, HF_HOME, the Triton and TorchInductor cache dirs and
     needs a user name (``getpass.getuser``), which an arbitrary non-root UID lacks in
     /etc/passwd: every such path points into the ``cache`` volume and ``USER`` is set.
     """
     e = spec.engine
+    g = _group(spec, group)
     hf_home = "/models" if e.model_cache_claim else "/cache/huggingface"
     fixed_env = {
         "HOME": "/cache", "USER": "phasewise", "HF_HOME": hf_home, "XDG_CACHE_HOME": "/cache/xdg",
@@ -312,7 +364,7 @@ def vllm_container(spec: PoolSpec, settings: OperatorSettings) -> dict[str, Any]
         "TRITON_CACHE_DIR": "/cache/triton", "TORCHINDUCTOR_CACHE_DIR": "/cache/torchinductor",
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
     }
-    env = _merge_env(fixed_env, e.env)
+    env = _merge_env(fixed_env, g.env)
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": "/cache"},
               {"name": "dshm", "mountPath": "/dev/shm"}]
     if e.model_cache_claim:
@@ -323,11 +375,11 @@ def vllm_container(spec: PoolSpec, settings: OperatorSettings) -> dict[str, Any]
         "image": e.image or settings.vllm_image,
         "imagePullPolicy": e.image_pull_policy or settings.image_pull_policy,
         "command": ["vllm", "serve"],
-        "args": [spec.model.name, "--served-model-name", spec.model.served, "--host", "0.0.0.0",
-                 "--port", str(e.port), *e.args],
+        "args": [g.model.name, "--served-model-name", g.model.served, "--host", "0.0.0.0",
+                 "--port", str(e.port), *g.args],
         "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}],
         "env": env,
-        "resources": e.resources.k8s(),
+        "resources": g.resources.k8s(),
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": max(1, math.ceil(e.startup_seconds / 10))},
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
@@ -336,9 +388,12 @@ def vllm_container(spec: PoolSpec, settings: OperatorSettings) -> dict[str, Any]
     }
 
 
-def emulator_container(spec: PoolSpec, settings: OperatorSettings) -> dict[str, Any]:
-    """``phasewise emulate``: the OpenAI API and vLLM-named /metrics, timed by the pool's profile."""
+def emulator_container(spec: PoolSpec, settings: OperatorSettings,
+                       group: EngineGroup | None = None) -> dict[str, Any]:
+    """``phasewise emulate``: the OpenAI API (serving the group's model name) and vLLM-named /metrics,
+    timed by the pool's profile."""
     e = spec.engine
+    g = _group(spec, group)
     probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
     return {
         "name": "emulator",
@@ -346,10 +401,10 @@ def emulator_container(spec: PoolSpec, settings: OperatorSettings) -> dict[str, 
         "imagePullPolicy": spec.routerd.image_pull_policy or settings.image_pull_policy,
         "command": ["phasewise", "emulate"],
         "args": ["--host", "0.0.0.0", "--port", str(e.port), "--profile", PROFILE_FILE,
-                 "--model", spec.model.served],
+                 "--model", g.model.served],
         "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}],
-        "env": _merge_env({"HOME": "/tmp"}, e.env),
-        "resources": _resources(e.resources, _EMULATOR_DEFAULT_RESOURCES),
+        "env": _merge_env({"HOME": "/tmp"}, g.env),
+        "resources": _resources(g.resources, _EMULATOR_DEFAULT_RESOURCES),
         "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 3},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
@@ -380,20 +435,28 @@ def sidecar_container(spec: PoolSpec, settings: OperatorSettings) -> dict[str, A
     }
 
 
-def engine_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings) -> dict[str, Any]:
-    """``P-engine``: one serving instance per replica, each with its sidecar."""
+def engine_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings,
+                      group: EngineGroup | None = None) -> dict[str, Any]:
+    """One engine Deployment: one serving instance per replica, each with its sidecar.
+
+    ``group`` None or the single-model form's: ``P-engine``, exactly as before engine
+    groups existed (same name, labels and selector, so an upgrade rolls no pod). A group
+    of ``spec.engineGroups``: ``P-engine-G``, its Deployment and pods labelled with
+    :data:`LABEL_ENGINE_GROUP` and :data:`LABEL_MODEL`, selected by :func:`engine_selector`.
+    """
     e = spec.engine
+    g = _group(spec, group)
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     annotations: dict[str, str] = {}
     if spec.emulated:
-        main = emulator_container(spec, settings)
+        main = emulator_container(spec, settings, g)
         vol = _config_volume(False, only_profile=True)
         vol["configMap"]["name"] = routerd_name(pool.name)
         volumes.append(vol)
         # The emulated hardware is the pool's profile: a new profile restarts the emulators.
         annotations[ANNOTATION_PROFILE_HASH] = short_hash(profile_yaml(pool, spec))
     else:
-        main = vllm_container(spec, settings)
+        main = vllm_container(spec, settings, g)
         volumes += [{"name": "cache", "emptyDir": {}},
                     {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": e.shared_memory}}]
         if e.model_cache_claim:
@@ -406,22 +469,30 @@ def engine_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings)
         "volumes": volumes,
         "terminationGracePeriodSeconds": 30 if spec.emulated else 60,
     }
-    if e.node_selector:
-        pod_spec["nodeSelector"] = dict(e.node_selector)
-    if e.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in e.tolerations]
+    if g.node_selector:
+        pod_spec["nodeSelector"] = dict(g.node_selector)
+    if g.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in g.tolerations]
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
-    template_meta: dict[str, Any] = {"labels": labels(pool.name, "engine")}
+    pod_labels = labels(pool.name, "engine")
+    meta = _meta(pool, engine_group_name(pool.name, g.name), "engine")
+    if g.name:
+        group_labels = {LABEL_ENGINE_GROUP: g.name, LABEL_MODEL: model_label(g.model.served)}
+        pod_labels.update(group_labels)
+        meta["labels"].update(group_labels)
+        meta["annotations"] = {ANNOTATION_MODEL: g.model.served}
+        annotations[ANNOTATION_MODEL] = g.model.served
+    template_meta: dict[str, Any] = {"labels": pod_labels}
     if annotations:
         template_meta["annotations"] = annotations
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(pool, engine_name(pool.name), "engine"),
+        "metadata": meta,
         "spec": {
-            "replicas": e.replicas,
-            "selector": {"matchLabels": selector(pool.name, "engine")},
+            "replicas": g.replicas,
+            "selector": {"matchLabels": engine_selector(pool.name, g.name)},
             # A GPU node rarely has room for a surge pod: replace one instance at a time.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0 if not spec.emulated else 1,
                                                                    "maxUnavailable": 1}},
@@ -430,8 +501,32 @@ def engine_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings)
     }
 
 
+def engine_deployments(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings) -> list[dict[str, Any]]:
+    """Every engine Deployment of the pool, one per group in spec order (one for ``spec.model``)."""
+    return [engine_deployment(pool, spec, settings, g) for g in spec.groups()]
+
+
+def stale_engine_deployments(pool: PoolRef, spec: PoolSpec, observed: list[Mapping[str, Any]]) -> list[str]:
+    """Names of the observed engine Deployments the pool owns but no longer wants (a removed group, or
+    ``P-engine`` after a switch to engineGroups), to delete after the wanted ones are applied.
+
+    Only Deployments whose controller owner reference is this pool's uid count: a
+    Deployment someone else made with the pool's labels is left alone.
+    """
+    wanted = {engine_group_name(pool.name, g.name) for g in spec.groups()}
+    out = []
+    for dep in observed:
+        meta = dep.get("metadata") or {}
+        owned = any(r.get("controller") and r.get("uid") == pool.uid for r in meta.get("ownerReferences") or [])
+        component = (meta.get("labels") or {}).get(LABEL_COMPONENT)
+        if owned and component == "engine" and meta.get("name") not in wanted:
+            out.append(meta["name"])
+    return sorted(out)
+
+
 def engine_service(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
-    """``P-engine``: headless; its EndpointSlices list every instance with ports ``http`` and ``state``."""
+    """``P-engine``: headless; its EndpointSlices list every instance of every group with ports ``http`` and
+    ``state`` (the selector leaves the group out)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -568,7 +663,7 @@ def pool_children(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings, *,
         *routerd_rbac(pool),
         routerd_configmap(pool, spec, checkpoint=checkpoint),
         engine_service(pool, spec),
-        engine_deployment(pool, spec, settings),
+        *engine_deployments(pool, spec, settings),
         routerd_service(pool, spec),
         routerd_deployment(pool, spec, settings, checkpoint=checkpoint),
     ]
@@ -603,19 +698,31 @@ _BLAME: list[tuple[str, str, str, str]] = [
 ]
 
 
-def blame(obj: Mapping[str, Any], message: str) -> str | None:
+_GROUP_FIELDS = {"spec.engine.resources": "resources", "spec.engine.env": "env", "spec.engine.args": "args",
+                 "spec.engine.tolerations": "tolerations", "spec.engine.nodeSelector": "nodeSelector",
+                 "spec.engine.replicas": "replicas"}
+
+
+def blame(obj: Mapping[str, Any], message: str, spec: PoolSpec | None = None) -> str | None:
     """The pool field a refused child's API error comes from, e.g. ``spec.engine.resources`` for
     ``spec.template.spec.containers[0].resources.limits[cpu]: Invalid value`` on ``P-engine``; None if unknown.
 
     The API server names the child's own field; a user wrote the pool's, so the pool's
-    Degraded message starts with that one (as InvalidSpec messages do).
+    Degraded message starts with that one (as InvalidSpec messages do). With ``spec``, a
+    group Deployment's error names the group's own override where the group sets one,
+    e.g. ``spec.engineGroups[1].resources``.
     """
-    import re
-
-    component = ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_COMPONENT, "")
+    obj_labels = (obj.get("metadata") or {}).get("labels") or {}
+    component = obj_labels.get(LABEL_COMPONENT, "")
     for kind, comp, pattern, field in _BLAME:
         if obj.get("kind") == kind and comp in ("", component) and re.search(pattern, message):
             if field == "spec.engine.replicas" and component == "routerd":
                 field = "spec.routerd.replicas"
+            group = obj_labels.get(LABEL_ENGINE_GROUP)
+            own = _GROUP_FIELDS.get(field)
+            if group and spec is not None and own:
+                for i, g in enumerate(spec.engine_groups or []):
+                    if g.name == group and g.model_dump(by_alias=True).get(own) is not None:
+                        return f"spec.engineGroups[{i}].{own}"
             return field
     return None
