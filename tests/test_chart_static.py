@@ -105,6 +105,7 @@ OPERATOR_CALLS = {
     ("", "events", "create"), ("", "events", "patch"),
     ("apps", "deployments", "get"), ("apps", "deployments", "list"), ("apps", "deployments", "watch"),
     ("apps", "deployments", "create"), ("apps", "deployments", "patch"),
+    ("apps", "deployments", "delete"),  # the Deployment of a removed engine group
     ("batch", "jobs", "get"), ("batch", "jobs", "list"), ("batch", "jobs", "watch"), ("batch", "jobs", "create"),
     ("batch", "jobs", "patch"),
     ("discovery.k8s.io", "endpointslices", "get"), ("discovery.k8s.io", "endpointslices", "list"),

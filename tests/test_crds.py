@@ -402,3 +402,20 @@ def test_status_schema_accepts_what_the_operator_writes():
     obj = _pool({"model": {"name": "m"}})
     obj["status"] = st
     assert _errors(POOL, obj) == []
+
+
+def test_status_schema_accepts_the_engine_groups_status():
+    from phasewise_operator import status
+
+    d = {"metadata": {"generation": 1}, "spec": {"replicas": 2},
+         "status": {"observedGeneration": 1, "replicas": 2, "readyReplicas": 1, "updatedReplicas": 2,
+                    "availableReplicas": 1}}
+    st = status.pool_status(routerd=d, slices=[], problem=None, generation=1, now="2026-11-30T01:00:00Z",
+                            groups=[status.GroupObserved("a", "m", "p-engine-a", d),
+                                    status.GroupObserved("b", "n", "p-engine-b", None, 3)])
+    assert [g["desiredReplicas"] for g in st["engineGroups"]] == [2, 3]
+    obj = _pool({"engineGroups": [{"name": "a", "model": {"name": "m"}}, {"name": "b", "model": {"name": "n"}}]})
+    obj["status"] = st
+    assert _errors(POOL, obj) == []
+    assert set(st["engineGroups"][1]) == set(_root(POOL)["properties"]["status"]["properties"]["engineGroups"]
+                                             ["items"]["properties"])

@@ -201,3 +201,19 @@ def test_reporter_main_fails_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "the trainer wrote no model.safetensors" in err
     assert R.main(["--results", str(tmp_path), "--task", "train", "--configmap", "x"], environ={}) == 2
     assert "POD_NAMESPACE is not set" in capsys.readouterr().err
+
+
+def test_jobs_of_a_pool_with_engine_groups():
+    """A profile job measures one instance with its group's model; a train job simulates every group's
+    instances together (routerd routes over all of them)."""
+    ps = parse_pool_spec({"engine": {"replicas": 2}, "engineGroups": [
+        {"name": "a", "model": {"name": "org/a", "servedModelName": "a"}},
+        {"name": "b", "model": {"name": "org/b"}, "replicas": 3}]})
+    prof = parse_job_spec({"poolRef": {"name": "chat"}, "task": "profile"})
+    cmd = J.work_command(prof, ps, target_url="http://10.0.0.7:8000", target_model="org/b")
+    assert cmd[cmd.index("--model") + 1] == "org/b"
+    cmd = J.work_command(prof, ps, target_url="http://10.0.0.7:8000")
+    assert cmd[cmd.index("--model") + 1] == "a"  # unknown group: the first model
+    train = parse_job_spec({"poolRef": {"name": "chat"}, "task": "train"})
+    cmd = J.work_command(train, ps, target_url=None)
+    assert cmd[cmd.index("--instances") + 1] == "5"

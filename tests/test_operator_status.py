@@ -99,3 +99,65 @@ def test_endpoints_listed_up_to_the_limit():
     eps = S.endpoints([many])
     assert len(eps) == S.ENDPOINTS_LISTED == 512
     assert eps[0]["name"] == "e-0000" and eps[1]["ready"] is False
+
+
+# ---------------------------------------------------------------- engine groups
+
+def _groups(*specs):
+    """GroupObserved for (name, model, Deployment or None) triples."""
+    return [S.GroupObserved(n, m, f"p-engine-{n}", d, 2) for n, m, d in specs]
+
+
+def _cond(st, ctype):
+    return next(c for c in st["conditions"] if c["type"] == ctype)
+
+
+def test_groups_status_sums_and_lists_every_group():
+    groups = _groups(("a", "llama", dep(2, 2)), ("b", "code", dep(3, 1, updated=3, available=1)))
+    st = S.pool_status(routerd=dep(1, 1), slices=[], problem=None, generation=3, now=T0, groups=groups)
+    assert st["replicas"] == 2 + 3 and st["readyInstances"] == 2 + 1
+    assert st["engineGroups"] == [
+        {"name": "a", "model": "llama", "deployment": "p-engine-a", "desiredReplicas": 2, "replicas": 2,
+         "readyInstances": 2},
+        {"name": "b", "model": "code", "deployment": "p-engine-b", "desiredReplicas": 3, "replicas": 3,
+         "readyInstances": 1}]
+    ready = _cond(st, "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "Ready")
+    assert ready["message"] == "3/5 instances (a 2/2, b 1/3) and 1/1 routerd ready"
+    prog = _cond(st, "Progressing")
+    assert (prog["status"], prog["message"]) == ("True", "engine group b: 1/3 pods available")
+
+
+def test_groups_ready_only_when_every_group_has_a_ready_instance():
+    st = S.pool_status(routerd=dep(1, 1), slices=[], problem=None, generation=1, now=T0,
+                       groups=_groups(("a", "llama", dep(2, 2)), ("b", "code", dep(2, 0))))
+    ready = _cond(st, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "NoReadyInstances")
+    assert ready["message"] == "group b (model code): 0/2 instances ready"
+    assert st["readyInstances"] == 2  # the aggregate still counts what is ready
+    st = S.pool_status(routerd=dep(1, 1), slices=[], problem=None, generation=1, now=T0,
+                       groups=_groups(("a", "llama", dep(2, 2)), ("b", "code", dep(0, 0))))
+    assert (_cond(st, "Ready")["reason"], _cond(st, "Ready")["message"]) == \
+        ("ScaledToZero", "group b (model code) has 0 replicas")
+    st = S.pool_status(routerd=dep(1, 1), slices=[], problem=None, generation=1, now=T0,
+                       groups=_groups(("a", "llama", dep(0, 0)), ("b", "code", dep(0, 0))))
+    assert _cond(st, "Ready")["message"] == "every engine group has 0 replicas"
+
+
+def test_groups_not_created_and_failed():
+    st = S.pool_status(routerd=dep(1, 1), slices=[], problem=None, generation=1, now=T0,
+                       groups=_groups(("a", "llama", dep(2, 2)), ("b", "code", None)))
+    assert conds(st)["Ready"] == ("False", "NotCreated")
+    assert st["engineGroups"][1] == {"name": "b", "model": "code", "deployment": "p-engine-b",
+                                     "desiredReplicas": 2, "replicas": 0, "readyInstances": 0}
+    assert "engine group b: not created yet" in _cond(st, "Progressing")["message"]
+    failing = dep(conditions=[{"type": "ReplicaFailure", "status": "True", "message": "quota exceeded"}])
+    st = S.pool_status(routerd=dep(1, 1), slices=[], problem=None, generation=1, now=T0,
+                       groups=_groups(("a", "llama", dep(2, 2)), ("b", "code", failing)))
+    d = _cond(st, "Degraded")
+    assert (d["reason"], d["message"]) == ("EngineFailed", "engine Deployment of group b: quota exceeded")
+
+
+def test_single_model_status_has_no_groups_list():
+    st = S.pool_status(engine=dep(3, 3), routerd=dep(1, 1), slices=[], problem=None, generation=1, now=T0)
+    assert "engineGroups" not in st

@@ -109,8 +109,12 @@ def reporter_rbac(job: PoolRef, pool: str) -> list[dict[str, Any]]:
     ]
 
 
-def work_command(spec: JobSpec, pool_spec: PoolSpec, *, target_url: str | None) -> list[str]:
+def work_command(spec: JobSpec, pool_spec: PoolSpec, *, target_url: str | None,
+                 target_model: str | None = None) -> list[str]:
     """The ``phasewise`` command line of the work container.
+
+    ``target_model``: the served model of the profiled instance (default: the pool's
+    first model); a train job simulates all the pool's instances together.
 
     Raises:
         SpecError: a profile job without a target instance.
@@ -120,12 +124,13 @@ def work_command(spec: JobSpec, pool_spec: PoolSpec, *, target_url: str | None) 
             raise SpecError("spec.poolRef.name", "the pool has no ready instance to profile")
         # --base-profile: the pool's current profile supplies what no endpoint reports
         # (max_num_seqs, max_num_batched_tokens, chunked_prefill, grad2, heavy thresholds).
-        return ["phasewise", "profile", "--endpoint", target_url, "--model", pool_spec.model.served,
+        model = target_model or pool_spec.groups()[0].model.served
+        return ["phasewise", "profile", "--endpoint", target_url, "--model", model,
                 "--base-profile", PROFILE_FILE, "--output", f"{RESULTS_DIR}/{RESULT_PROFILE}",
                 *spec.profile_task.args]
     t = spec.train_task
     cmd = ["phasewise", "train", "--variant", t.variant, "--workload", t.workload,
-           "--instances", str(pool_spec.engine.replicas), "--profile", PROFILE_FILE,
+           "--instances", str(pool_spec.total_replicas()), "--profile", PROFILE_FILE,
            "--episodes", str(t.episodes), "--requests-per-episode", str(t.requests_per_episode),
            "--prediction", t.prediction, "--seed", str(t.seed),
            "--output", f"{RESULTS_DIR}/checkpoint", "--quiet"]
@@ -135,7 +140,7 @@ def work_command(spec: JobSpec, pool_spec: PoolSpec, *, target_url: str | None) 
 
 
 def batch_job(job: PoolRef, spec: JobSpec, pool: PoolRef, pool_spec: PoolSpec, settings: OperatorSettings, *,
-              target_url: str | None) -> dict[str, Any]:
+              target_url: str | None, target_model: str | None = None) -> dict[str, Any]:
     """The batch Job running the task, owned by the LLMRouterJob.
 
     Raises:
@@ -148,7 +153,7 @@ def batch_job(job: PoolRef, spec: JobSpec, pool: PoolRef, pool_spec: PoolSpec, s
         "name": "work",
         "image": spec.image or default_image,
         "imagePullPolicy": pull,
-        "command": work_command(spec, pool_spec, target_url=target_url),
+        "command": work_command(spec, pool_spec, target_url=target_url, target_model=target_model),
         "env": [{"name": "HOME", "value": "/tmp"}],
         "resources": given or json.loads(json.dumps(_WORK_DEFAULT_RESOURCES[spec.task])),
         "volumeMounts": [{"name": "results", "mountPath": RESULTS_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
@@ -207,13 +212,14 @@ def batch_job(job: PoolRef, spec: JobSpec, pool: PoolRef, pool_spec: PoolSpec, s
 
 
 def job_children(job: PoolRef, spec: JobSpec, pool: PoolRef, pool_spec: PoolSpec, settings: OperatorSettings, *,
-                 target_url: str | None) -> list[dict[str, Any]]:
+                 target_url: str | None, target_model: str | None = None) -> list[dict[str, Any]]:
     """Reporter RBAC, then the batch Job, in apply order.
 
     Raises:
         SpecError: from :func:`work_command`.
     """
-    return [*reporter_rbac(job, pool.name), batch_job(job, spec, pool, pool_spec, settings, target_url=target_url)]
+    return [*reporter_rbac(job, pool.name),
+            batch_job(job, spec, pool, pool_spec, settings, target_url=target_url, target_model=target_model)]
 
 
 def pick_target(endpoints: list[Mapping[str, Any]], instance: str | None) -> tuple[str | None, str]:
@@ -356,11 +362,11 @@ def checkpoint_from_configmap(cm: Mapping[str, Any]) -> Checkpoint:
     return Checkpoint(config_map=name, model_b64=model, metadata_json=meta)
 
 
-def checkpoint_problem(ckpt: Checkpoint, replicas: int) -> str | None:
-    """Why routerd would refuse the checkpoint for a pool of ``replicas`` instances, or None."""
+def checkpoint_problem(ckpt: Checkpoint, replicas: int, field: str = "spec.engine.replicas") -> str | None:
+    """Why routerd would refuse the checkpoint for a pool of ``replicas`` instances (set at ``field``), or None."""
     n = json.loads(ckpt.metadata_json).get("num_instances")
     if n != replicas:
-        return (f"checkpoint {ckpt.config_map} was trained for {n} instances; spec.engine.replicas is {replicas} "
+        return (f"checkpoint {ckpt.config_map} was trained for {n} instances; {field} is {replicas} "
                 "(routerd refuses it and routes round robin)")
     return None
 

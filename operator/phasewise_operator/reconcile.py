@@ -58,6 +58,8 @@ class Outcome:
     retry_after: float | None = None
     permanent: bool = False
     applied: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    """Children deleted because the spec no longer has them (an engine group's Deployment)."""
 
 
 class Controller:
@@ -85,13 +87,61 @@ class Controller:
 
     # ------------------------------------------------------------ pools
 
-    def _observe(self, pool: PoolRef) -> tuple[dict | None, dict | None, list[dict]]:
+    def _engines(self, pool: PoolRef) -> list[dict]:
+        """Every engine Deployment labelled as the pool's (the single one, or one per group, plus any of a
+        group just removed)."""
+        return self.kube.list("apps/v1", "Deployment", pool.namespace,
+                              label_selector=f"{builders.LABEL_POOL}={pool.name},"
+                                             f"{builders.LABEL_COMPONENT}=engine")
+
+    def _observe(self, pool: PoolRef, spec) -> tuple[dict | None, list[status.GroupObserved] | None,
+                                                     dict | None, list[dict]]:
+        """(single engine Deployment, groups or None, routerd Deployment, EndpointSlices) as read now.
+
+        ``spec`` None (it does not parse): the groups are those the existing Deployments
+        are labelled with, so the status still describes what runs.
+        """
         k = self.kube
-        engine = k.get("apps/v1", "Deployment", pool.namespace, builders.engine_name(pool.name))
+        engines = {d["metadata"]["name"]: d for d in self._engines(pool)}
+        groups: list[status.GroupObserved] | None = None
+        if spec is not None and spec.multi_model:
+            groups = []
+            for g in spec.groups():
+                name = builders.engine_group_name(pool.name, g.name)
+                groups.append(status.GroupObserved(g.name, g.model.served, name, engines.get(name), g.replicas))
+        elif spec is None:
+            labelled = sorted((d for d in engines.values()
+                               if (d["metadata"].get("labels") or {}).get(builders.LABEL_ENGINE_GROUP)),
+                              key=lambda d: d["metadata"]["name"])
+            if labelled:
+                groups = [status.GroupObserved(d["metadata"]["labels"][builders.LABEL_ENGINE_GROUP],
+                                               (d["metadata"].get("annotations") or {}).get(
+                                                   builders.ANNOTATION_MODEL, ""), d["metadata"]["name"], d)
+                          for d in labelled]
+        engine = engines.get(builders.engine_name(pool.name))
         routerd = k.get("apps/v1", "Deployment", pool.namespace, builders.routerd_name(pool.name))
         slices = k.list("discovery.k8s.io/v1", "EndpointSlice", pool.namespace,
                         label_selector=f"kubernetes.io/service-name={builders.engine_name(pool.name)}")
-        return engine, routerd, slices
+        return engine, groups, routerd, slices
+
+    def _prune(self, pool: PoolRef, spec, outcome: Outcome) -> status.Problem | None:
+        """Delete the engine Deployments the pool owns but its spec no longer has (a removed group, or
+        ``P-engine`` after a switch to engineGroups); the garbage collector takes their pods.
+
+        Runs after every wanted child is applied, so a switch to groups starts the new
+        Deployments before the old one goes. Returns the problem when a delete is refused.
+        """
+        for name in builders.stale_engine_deployments(pool, spec, self._engines(pool)):
+            try:
+                self.kube.delete("apps/v1", "Deployment", pool.namespace, name)
+            except ApiError as e:
+                what = f"Deployment {name} (an engine group no longer in the spec): deleting it: {e.message}"
+                outcome.ok, outcome.message, outcome.permanent = False, what, e.permanent
+                outcome.retry_after = None if e.permanent else 10.0
+                return status.Problem("ApplyFailed", what)
+            outcome.deleted.append(f"Deployment/{name}")
+            log.info(f"pool {pool.namespace}/{pool.name}: deleted Deployment {name}, no longer in the spec")
+        return None
 
     def _load_checkpoint(self, pool: PoolRef, spec) -> tuple[builders.Checkpoint | None, status.Problem | None]:
         ref = spec.routing.checkpoint
@@ -146,7 +196,7 @@ class Controller:
                         stored = self.kube.apply(obj)
                     except ApiError as e:
                         what = f"{obj['kind']} {obj['metadata']['name']}: {e.message}"
-                        field_ = builders.blame(obj, e.message)
+                        field_ = builders.blame(obj, e.message, spec)
                         if field_:
                             what = f"{field_}: {what}"
                         problem = status.Problem("ApplyFailed", what)
@@ -160,6 +210,8 @@ class Controller:
                             self._applied_generations.setdefault((namespace, name), {})[smeta["uid"]] = \
                                 int(smeta.get("generation", 0))
             if problem is None:
+                problem = self._prune(pool, spec, outcome)
+            if problem is None:
                 cm = next(c for c in children if c["kind"] == "ConfigMap")
                 extra = {
                     "activePolicy": spec.routing.policy,
@@ -168,7 +220,7 @@ class Controller:
                     "configHash": builders.short_hash(cm.get("data", {}) | cm.get("binaryData", {})),
                 }
                 if ckpt is not None:
-                    mismatch = jobs.checkpoint_problem(ckpt, spec.engine.replicas)
+                    mismatch = jobs.checkpoint_problem(ckpt, spec.total_replicas(), _replicas_field(spec))
                     if mismatch:
                         # Applied all the same: routerd falls back to round robin and says so.
                         problem = status.Problem("CheckpointMismatch", "spec.routing.checkpoint: " + mismatch)
@@ -180,11 +232,17 @@ class Controller:
 
     def _write_pool_status(self, pool: PoolRef, body: dict, problem: status.Problem | None,
                            extra: dict[str, Any]) -> None:
-        engine, routerd, slices = self._observe(pool)
+        try:
+            spec = parse_pool_spec(body.get("spec"))
+        except SpecError:
+            spec = None  # the status then describes the Deployments that exist
+        engine, groups, routerd, slices = self._observe(pool, spec)
         current = body.get("status") or {}
-        new = status.pool_status(engine=engine, routerd=routerd, slices=slices, problem=problem,
+        new = status.pool_status(engine=engine, groups=groups, routerd=routerd, slices=slices, problem=problem,
                                  generation=pool.generation, now=now_rfc3339(),
                                  previous_conditions=current.get("conditions") or [])
+        if groups is None and current.get("engineGroups") is not None:
+            new["engineGroups"] = None  # back to one model: the merge patch removes the list
         new.update(extra)
         if not status.same_status(current, new):
             self.kube.patch_status(*POOL, pool.namespace, pool.name, new)
@@ -322,7 +380,7 @@ class Controller:
 
             batch = self.kube.get("batch/v1", "Job", namespace, name)
             if batch is None:
-                target = None
+                target = target_model = None
                 if spec.task == "profile":
                     eps = status.endpoints(self.kube.list(
                         "discovery.k8s.io/v1", "EndpointSlice", namespace,
@@ -331,12 +389,14 @@ class Controller:
                     if target is None:
                         return wait(why, 10.0)
                     st["target"] = target
+                    target_model = self._target_model(namespace, pool_spec, eps, target)
                 elif self.kube.get("v1", "ConfigMap", namespace, builders.routerd_name(pool.name)) is None:
                     return wait(f"pool {pool.name} has no ConfigMap {builders.routerd_name(pool.name)} yet", 10.0)
                 else:
-                    st["target"] = f"pool {pool.name}: {pool_spec.engine.replicas} instances"
+                    st["target"] = f"pool {pool.name}: {pool_spec.total_replicas()} instances"
                 try:
-                    for obj in jobs.job_children(job, spec, pool, pool_spec, self.settings, target_url=target):
+                    for obj in jobs.job_children(job, spec, pool, pool_spec, self.settings, target_url=target,
+                                                 target_model=target_model):
                         self.kube.apply(obj)
                 except ApiError as e:
                     if e.permanent:
@@ -360,6 +420,16 @@ class Controller:
                 detail = jobs.failure_detail(pods)
                 return fail(msg + (f"; {detail}" if detail else ""))
             return self._finish_job(job, spec, pool, pool_spec, st, now, previous, bstatus)
+
+    def _target_model(self, namespace: str, pool_spec, eps: list[dict], url: str) -> str | None:
+        """The served model of the instance at ``url`` (a multi-model pool: from its pod's engine-group
+        label); None = the pool's first model."""
+        if not pool_spec.multi_model:
+            return None
+        pod_name = next((e["name"] for e in eps if e.get("url") == url), None)
+        pod = self.kube.get("v1", "Pod", namespace, pod_name) if pod_name else None
+        group = ((pod or {}).get("metadata", {}).get("labels") or {}).get(builders.LABEL_ENGINE_GROUP)
+        return next((g.model.served for g in pool_spec.groups() if g.name == group), None)
 
     def _finish_job(self, job: PoolRef, spec, pool: PoolRef, pool_spec, st: dict, now: str, previous: dict,
                     bstatus: dict) -> Outcome:
@@ -405,6 +475,11 @@ class Controller:
         st.update(phase="Succeeded", message="", completionTime=completed, results=results)
         self._job_status(ns, job.name, st, now, previous)
         return Outcome(message="succeeded")
+
+
+def _replicas_field(spec) -> str:
+    """Where a pool's instance count is set, for messages."""
+    return "the engine groups' replicas (sum)" if spec.multi_model else "spec.engine.replicas"
 
 
 # ---------------------------------------------------------------- periodic resync

@@ -4,8 +4,9 @@ Conditions follow the Kubernetes API conventions (metav1.Condition; ``lastTransi
 changes only when ``status`` does):
 
 - **Ready**: the pool serves requests: at least one routerd pod and at least one
-  instance are ready. Reasons ``Ready``, ``RouterdNotReady``, ``NoReadyInstances``,
-  ``ScaledToZero``, ``NotCreated``.
+  instance are ready; with ``spec.engineGroups``, at least one instance of every group
+  (a group without one leaves its model unserved). Reasons ``Ready``, ``RouterdNotReady``,
+  ``NoReadyInstances``, ``ScaledToZero``, ``NotCreated``.
 - **Progressing**: a rollout or scaling is under way (``RollingOut``) or done
   (``Complete``).
 - **Degraded**: something needs a person: ``InvalidSpec`` (the message names the field),
@@ -17,7 +18,7 @@ changes only when ``status`` does):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 MESSAGE_MAX = 4096
 """Condition messages are cut to this many characters (the schema allows 32768; an API server's
@@ -42,6 +43,21 @@ class Problem:
 
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class GroupObserved:
+    """One engine group of a multi-model pool with its Deployment as read."""
+
+    name: str
+    """``spec.engineGroups[].name``."""
+    model: str
+    """The group's served model name."""
+    deployment_name: str
+    deployment: Mapping[str, Any] | None
+    """The Deployment as read; None when absent."""
+    wanted_replicas: int = 0
+    """The spec's replicas, shown as desiredReplicas while the Deployment does not exist yet."""
 
 
 def _dep_status(dep: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -109,54 +125,80 @@ def _desired(dep: Mapping[str, Any] | None) -> int:
     return int(((dep or {}).get("spec") or {}).get("replicas", 1))
 
 
-def pool_status(*, engine: Mapping[str, Any] | None, routerd: Mapping[str, Any] | None,
+def pool_status(*, engine: Mapping[str, Any] | None = None, routerd: Mapping[str, Any] | None,
                 slices: Iterable[Mapping[str, Any]], problem: Problem | None, generation: int, now: str,
-                previous_conditions: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
-    """The observed part of ``status``: conditions, replicas, readyInstances and endpoints.
+                previous_conditions: Iterable[Mapping[str, Any]] = (),
+                groups: Sequence[GroupObserved] | None = None) -> dict[str, Any]:
+    """The observed part of ``status``: conditions, replicas, readyInstances and endpoints
+    (and ``engineGroups``, one entry per group, when ``groups`` is given).
 
     Desired replica counts are the Deployments' own (what was last applied), so a status
     refresh between a spec change and its reconcile does not misreport.
 
     Args:
-        engine, routerd: the Deployments as read (None when absent).
+        engine: the single-model pool's engine Deployment as read (None when absent);
+            ignored when ``groups`` is given.
+        routerd: routerd's Deployment as read (None when absent).
         slices: the engine Service's EndpointSlices.
         problem: why the last reconcile could not apply the spec, or None.
         generation: the ``metadata.generation`` this status describes.
         now: RFC 3339 time for conditions that change now.
+        groups: the engine groups of a multi-model pool, in spec order; ``replicas`` and
+            ``readyInstances`` are then their sums.
     """
     prev = list(previous_conditions)
-    desired_engine_replicas, desired_routerd_replicas = _desired(engine), _desired(routerd)
-    est = _dep_status(engine)
+    multi = groups is not None
+    engines = [(g.name, g.model, g.deployment) for g in groups] if multi else [("", "", engine)]
+    present = [d for _, _, d in engines if d is not None]
+    desired_engine_replicas, desired_routerd_replicas = sum(_desired(d) for d in present), _desired(routerd)
     rst = _dep_status(routerd)
-    ready_instances = int(est.get("readyReplicas", 0) or 0)
+    ready_of = [int(_dep_status(d).get("readyReplicas", 0) or 0) for _, _, d in engines]
+    ready_instances = sum(ready_of)
     routerd_ready = int(rst.get("readyReplicas", 0) or 0)
+    # A group without ready instances: its model cannot be served, so the pool is not Ready.
+    unready = [(name, model, d) for (name, model, d), r in zip(engines, ready_of) if r == 0]
+    idle = [(name, model) for name, model, d in engines if d is not None and _desired(d) == 0]
 
-    if engine is None or routerd is None:
+    if len(present) < len(engines) or routerd is None or not engines:
         ready = (False, "NotCreated", problem.message if problem else "children not created yet")
     elif desired_engine_replicas == 0:
-        ready = (False, "ScaledToZero", "spec.engine.replicas is 0")
+        ready = (False, "ScaledToZero", "every engine group has 0 replicas" if multi else "spec.engine.replicas is 0")
     elif routerd_ready == 0:
         ready = (False, "RouterdNotReady", "no routerd pod is ready" if desired_routerd_replicas else
                  "spec.routerd.replicas is 0")
+    elif multi and idle:
+        ready = (False, "ScaledToZero", "; ".join(f"group {n} (model {m}) has 0 replicas" for n, m in idle))
+    elif multi and unready:
+        ready = (False, "NoReadyInstances", "; ".join(f"group {n} (model {m}): 0/{_desired(d)} instances ready"
+                                                      for n, m, d in unready))
     elif ready_instances == 0:
         ready = (False, "NoReadyInstances", f"0/{desired_engine_replicas} instances ready")
     else:
-        ready = (True, "Ready", f"{ready_instances}/{desired_engine_replicas} instances and "
+        per_group = (" (" + ", ".join(f"{n} {r}/{_desired(d)}" for (n, _, d), r in zip(engines, ready_of)) + ")"
+                     if multi else "")
+        ready = (True, "Ready", f"{ready_instances}/{desired_engine_replicas} instances{per_group} and "
                  f"{routerd_ready}/{desired_routerd_replicas} routerd ready")
 
-    e_done, e_why = _dep_progress(engine)
+    parts = []
+    for name, _, d in engines:
+        done, why = _dep_progress(d)
+        if not done:
+            parts.append(f"engine group {name}: {why}" if multi else f"engine: {why}")
     r_done, r_why = _dep_progress(routerd)
-    if e_done and r_done:
+    if not r_done:
+        parts.append(f"routerd: {r_why}")
+    if not parts:
         progressing = (False, "Complete", "engine and routerd are rolled out")
     else:
-        parts = [f"engine: {e_why}" if not e_done else "", f"routerd: {r_why}" if not r_done else ""]
-        progressing = (True, "RollingOut", "; ".join(p for p in parts if p))
+        progressing = (True, "RollingOut", "; ".join(parts))
 
-    e_fail, r_fail = _dep_failure(engine), _dep_failure(routerd)
+    e_fail = next(((name, f) for name, _, d in engines if (f := _dep_failure(d))), None)
+    r_fail = _dep_failure(routerd)
     if problem is not None:
         degraded = (True, problem.reason, problem.message)
     elif e_fail:
-        degraded = (True, "EngineFailed", f"engine Deployment: {e_fail}")
+        where = f"engine Deployment of group {e_fail[0]}" if multi else "engine Deployment"
+        degraded = (True, "EngineFailed", f"{where}: {e_fail[1]}")
     elif r_fail:
         degraded = (True, "RouterdFailed", f"routerd Deployment: {r_fail}")
     else:
@@ -164,13 +206,21 @@ def pool_status(*, engine: Mapping[str, Any] | None, routerd: Mapping[str, Any] 
 
     conds = [condition(t, s, reason, msg, now=now, generation=generation, previous=prev)
              for t, (s, reason, msg) in (("Ready", ready), ("Progressing", progressing), ("Degraded", degraded))]
-    return {
+    out: dict[str, Any] = {
         "observedGeneration": generation,
         "conditions": conds,
-        "replicas": int(est.get("replicas", 0) or 0),
+        "replicas": sum(int(_dep_status(d).get("replicas", 0) or 0) for d in present),
         "readyInstances": ready_instances,
         "endpoints": endpoints(slices),
     }
+    if multi:
+        out["engineGroups"] = [
+            {"name": g.name, "model": g.model, "deployment": g.deployment_name,
+             "desiredReplicas": _desired(g.deployment) if g.deployment is not None else g.wanted_replicas,
+             "replicas": int(_dep_status(g.deployment).get("replicas", 0) or 0),
+             "readyInstances": r}
+            for g, r in zip(groups, ready_of)]
+    return out
 
 
 def same_status(current: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
