@@ -118,6 +118,31 @@ def test_example_pool_is_a_valid_emulated_pool():
     jsonschema.Draft4Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]).validate(pool)
 
 
+def test_example_pool_with_engine_groups():
+    sets = ["examplePool.enabled=true", "examplePool.engineGroups[0].name=chat",
+            "examplePool.engineGroups[0].model=llama-2-7b", "examplePool.engineGroups[1].name=code",
+            "examplePool.engineGroups[1].model=codellama-7b", "examplePool.engineGroups[1].replicas=1"]
+    (pool,) = by_kind(render(*sets), "LLMRouterPool")
+    assert "model" not in pool["spec"]
+    assert pool["spec"]["engineGroups"] == [{"name": "chat", "model": {"name": "llama-2-7b"}},
+                                            {"name": "code", "model": {"name": "codellama-7b"}, "replicas": 1}]
+    from phasewise_operator.spec import check_pool, parse_pool_spec
+
+    spec = parse_pool_spec(pool["spec"])
+    check_pool(spec)
+    assert [(g.name, g.replicas) for g in spec.groups()] == [("chat", 2), ("code", 1)]  # 2: examplePool.replicas
+    assert spec.served_models() == ["llama-2-7b", "codellama-7b"]
+    jsonschema = pytest.importorskip("jsonschema")
+    crd = yaml.safe_load((REPO / "crds" / "llmrouterpools.yaml").read_text())
+    jsonschema.Draft4Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]).validate(pool)
+    # Without engineGroups the pool is the single-model one, as before.
+    (single,) = by_kind(render("examplePool.enabled=true"), "LLMRouterPool")
+    assert single["spec"]["model"] == {"name": "llama-2-7b"} and "engineGroups" not in single["spec"]
+    r = helm("template", "x", str(CHART), "--set", "examplePool.engineGroups[0].name=Bad_Name",
+             "--set", "examplePool.engineGroups[0].model=m", check=False)
+    assert r.returncode != 0 and "engineGroups" in r.stderr, r.stderr
+
+
 def test_bad_values_fail_with_a_message():
     r = helm("template", "x", str(CHART), "--set", "operator.replicas=-1", check=False)
     assert r.returncode != 0 and "operator.replicas" in r.stderr.replace("/", "."), r.stderr

@@ -169,3 +169,25 @@ def test_peering_crds_and_templates_exist():
     for name in ("deployment.yaml", "rbac.yaml", "serviceaccount.yaml", "peering.yaml", "example-pool.yaml",
                  "NOTES.txt", "crds/llmrouterpools.yaml", "crds/llmrouterjobs.yaml"):
         assert (CHART / "templates" / name).is_file(), name
+
+
+def test_example_pool_engine_groups_values():
+    """examplePool.engineGroups: off by default (the single model renders as before); each entry a
+    valid group name, a model and optional replicas, the limits of spec.engineGroups."""
+    from phasewise_operator.gen_crds import GROUP_NAME_MAX, MAX_ENGINE_GROUPS
+
+    assert VALUES["examplePool"]["engineGroups"] == []
+    values = copy.deepcopy(VALUES)
+    values["examplePool"]["engineGroups"] = [{"name": "chat", "model": "llama-2-7b"},
+                                             {"name": "code", "model": "codellama", "replicas": 1}]
+    assert _errors(values) == []
+    item = SCHEMA["properties"]["examplePool"]["properties"]["engineGroups"]
+    assert item["maxItems"] == MAX_ENGINE_GROUPS and item["items"]["properties"]["name"]["maxLength"] == GROUP_NAME_MAX
+    for bad, where in (({"name": "Chat", "model": "m"}, "examplePool/engineGroups/0/name"),
+                       ({"name": "g" * 21, "model": "m"}, "examplePool/engineGroups/0/name"),
+                       ({"name": "a"}, "examplePool/engineGroups/0: 'model' is a required property"),
+                       ({"name": "a", "model": "m", "replicas": -1}, "examplePool/engineGroups/0/replicas"),
+                       ({"name": "a", "model": "m", "image": "x"}, "examplePool/engineGroups/0: Additional")):
+        values["examplePool"]["engineGroups"] = [bad]
+        errs = _errors(values)
+        assert any(e.startswith(where) for e in errs), (bad, errs)
