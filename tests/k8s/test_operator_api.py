@@ -373,6 +373,78 @@ def test_delete_cascades(k8s, kube, operator, namespace, kcm):
     wait_for(lambda: not children(kube, namespace, "gone"), timeout=30, what="garbage collection")
 
 
+def groups_pool_yaml(name: str, groups: list[dict], **spec) -> str:
+    """An emulated pool with ``spec.engineGroups`` (and no ``spec.model``)."""
+    body = {"apiVersion": G, "kind": "LLMRouterPool", "metadata": {"name": name},
+            "spec": {"engineGroups": groups, "emulated": True, **spec}}
+    return yaml.safe_dump(body)
+
+
+INVALID_GROUPS = [
+    ("model and engineGroups", {"model": {"name": "m"}, "engineGroups": [{"name": "a", "model": {"name": "m"}}]},
+     "spec.model (one model) or spec.engineGroups"),
+    ("neither model nor engineGroups", {"emulated": True}, "spec.model (one model) or spec.engineGroups"),
+    ("duplicate group", {"engineGroups": [{"name": "a", "model": {"name": "m"}},
+                                          {"name": "a", "model": {"name": "n"}}]}, "spec.engineGroups[1]"),
+    ("reserved group word", {"engineGroups": [{"name": "b-routerd", "model": {"name": "m"}}]},
+     "spec.engineGroups[0].name"),
+    ("emulated group with a GPU", {"engineGroups": [{"name": "a", "model": {"name": "m"},
+                                                     "resources": {"limits": {"nvidia.com/gpu": 1}}}]},
+     "spec.engineGroups"),
+]
+
+
+@pytest.mark.parametrize("label,spec,needle", INVALID_GROUPS, ids=[i[0] for i in INVALID_GROUPS])
+def test_api_server_rejects_invalid_engine_groups(k8s, crds, namespace, label, spec, needle):
+    body = {"apiVersion": G, "kind": "LLMRouterPool", "metadata": {"name": "bad"}, "spec": {"emulated": True, **spec}}
+    r = apply(k8s, namespace, yaml.safe_dump(body), check=False)
+    assert r.returncode != 0, f"{label} was accepted"
+    assert needle in r.stderr, r.stderr
+
+
+def _group_status(kube, ns, name):
+    return {g["name"]: g for g in (pool(kube, ns, name).get("status") or {}).get("engineGroups") or []}
+
+
+def test_engine_groups_get_a_deployment_each_and_a_removed_one_goes(k8s, kube, operator, namespace):
+    groups = [{"name": "a", "model": {"name": "model-a"}, "replicas": 2},
+              {"name": "b", "model": {"name": "org/model-b"}}]
+    apply(k8s, namespace, groups_pool_yaml("mm", groups, engine={"replicas": 1}))
+    wait_for(lambda: (pool(kube, namespace, "mm").get("status") or {}).get("observedGeneration") == 1,
+             what="pool mm's first status write (status.observedGeneration 1)")
+    kids = children(kube, namespace, "mm")
+    assert sorted(k for k in kids if k[0] == "Deployment") == [
+        ("Deployment", "mm-engine-a"), ("Deployment", "mm-engine-b"), ("Deployment", "mm-routerd")]
+    a, b = kids[("Deployment", "mm-engine-a")], kids[("Deployment", "mm-engine-b")]
+    assert (a["spec"]["replicas"], b["spec"]["replicas"]) == (2, 1)  # b: engine.replicas
+    for dep, model in ((a, "model-a"), (b, "org/model-b")):
+        emu = dep["spec"]["template"]["spec"]["containers"][0]
+        assert emu["args"][emu["args"].index("--model") + 1] == model
+    assert a["spec"]["selector"]["matchLabels"]["phasewise.io/engine-group"] == "a"
+    cm = kids[("ConfigMap", "mm-routerd")]
+    assert yaml.safe_load(cm["data"]["routerd.yaml"])["models"] == ["model-a", "org/model-b"]
+    st = wait_for(lambda: (lambda g: g if set(g) == {"a", "b"} else None)(_group_status(kube, namespace, "mm")),
+                  what="status.engineGroups listing groups a and b")
+    assert [(st[g]["model"], st[g]["deployment"], st[g]["desiredReplicas"]) for g in ("a", "b")] == \
+        [("model-a", "mm-engine-a", 2), ("org/model-b", "mm-engine-b", 1)]
+    if k8s.controller_manager:  # pods exist only with the Deployment controller
+        wait_for(lambda: len(kube.list("v1", "Pod", namespace, label_selector="phasewise.io/pool=mm")) >= 4,
+                 timeout=60, what="2 + 1 engine pods and a routerd pod from the Deployment controller")
+        make_pods_ready(kube, namespace, "phasewise.io/pool=mm")
+        p = wait_for(lambda: (lambda o: o if (condition(o, "Ready") or {}).get("status") == "True" else None)(
+            pool(kube, namespace, "mm")), timeout=30, what="pool mm Ready with every group ready")
+        assert p["status"]["readyInstances"] == 3
+        assert {g["name"]: g["readyInstances"] for g in p["status"]["engineGroups"]} == {"a": 2, "b": 1}
+    uid_a = a["metadata"]["uid"]
+    apply(k8s, namespace, groups_pool_yaml("mm", groups[:1], engine={"replicas": 1}))
+    wait_for(lambda: kube.get("apps/v1", "Deployment", namespace, "mm-engine-b") is None,
+             what="group b's Deployment deleted after b left the spec")
+    wait_for(lambda: set(_group_status(kube, namespace, "mm")) == {"a"}, what="status.engineGroups only a")
+    assert kube.get("apps/v1", "Deployment", namespace, "mm-engine-a")["metadata"]["uid"] == uid_a  # kept
+    cm = kube.get("v1", "ConfigMap", namespace, "mm-routerd")
+    assert yaml.safe_load(cm["data"]["routerd.yaml"])["models"] == ["model-a"]
+
+
 def test_restart_adopts_and_duplicates_nothing(k8s, kube, operator, namespace):
     apply(k8s, namespace, pool_yaml("keep", engine={"replicas": 2}))
     wait_for(lambda: (pool(kube, namespace, "keep").get("status") or {}).get("observedGeneration") == 1,

@@ -100,6 +100,17 @@ def test_helm_install_operator_rbac_upgrade_uninstall(k8s, helm_ok, tmp_path):
                 p = wait_for(lambda: (lambda o: o if (o.get("status") or {}).get("observedGeneration") == 1 else None)(
                     admin.get(G, "LLMRouterPool", work_ns, "rbac")), timeout=30, what="pool reconciled")
                 assert p["status"]["activePolicy"] == "late_binding"
+                # Removing an engine group deletes its Deployment: the chart grants deployments delete.
+                groups = [{"name": "a", "model": {"name": "model-a"}}, {"name": "b", "model": {"name": "model-b"}}]
+                for listed in (groups, groups[:1]):
+                    k8s.kubectl("apply", "-n", work_ns, "-f", "-", input=yaml.safe_dump({
+                        "apiVersion": G, "kind": "LLMRouterPool", "metadata": {"name": "rbac-groups"},
+                        "spec": {"engineGroups": listed, "emulated": True}}))
+                    if len(listed) == 2:
+                        wait_for(lambda: admin.get("apps/v1", "Deployment", work_ns, "rbac-groups-engine-b"),
+                                 timeout=30, what="group b's Deployment created under the chart's RBAC")
+                wait_for(lambda: admin.get("apps/v1", "Deployment", work_ns, "rbac-groups-engine-b") is None,
+                         timeout=30, what="group b's Deployment deleted under the chart's RBAC")
                 wait_for(lambda: admin.get("batch/v1", "Job", work_ns, "rbac-train"), timeout=30,
                          what="train batch Job (reporter Role and RoleBinding created under the chart's RBAC)")
                 wait_for(lambda: ((admin.get(G, "LLMRouterJob", work_ns, "rbac-orphan") or {}).get("status") or {})
