@@ -28,6 +28,7 @@ from routerd.daemon.config import PolicyConfig, Settings, load_settings
 from routerd.daemon.discovery import DiscoveredEndpoint
 from routerd.daemon.frontend import Frontend, effective_max_connections
 from routerd.daemon.metrics import Metrics
+from routerd.daemon.models import ModelLister
 from routerd.daemon.predict_batch import PredictionBatcher
 from routerd.daemon.proxy import Proxy
 from routerd.daemon.router import CheckpointConfigError, Router, build_routing_policy
@@ -149,6 +150,7 @@ class Daemon:
                              bucket_edges=built.edges)
         self.router.failure_cooldown_s = settings.upstream.failure_cooldown_s
         self.router.outlier = settings.upstream.outlier
+        self.router.default_models = frozenset(settings.models)
         self.router.on_ready_change = self._on_ready_change
         self.started_at_unix = time.time()
         self._static: list[DiscoveredEndpoint] = self._static_endpoints(settings)
@@ -166,6 +168,8 @@ class Daemon:
         self._config_sig: tuple[int, int, int] | None = None
         self._stopping = False
         self.proxy = Proxy(self)
+        self.model_lister = ModelLister(self._endpoints_to_list, self.router.set_discovered_models,
+                                        refresh_s=settings.model_refresh_s)
 
     # -- start / stop ------------------------------------------------------------
     async def start(self) -> None:
@@ -174,6 +178,10 @@ class Daemon:
         s = self.settings
         await self.proxy.open_pool()
         self._apply_all_endpoints()
+        # What each endpoint serves, before the first request: with several models behind one
+        # routerd, a request must never reach an endpoint that does not serve its model.
+        await self.model_lister.refresh()
+        self._tasks.append(asyncio.create_task(self.model_lister.run()))
         app = self.proxy.build_app()
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                                      shutdown_timeout=0.5, keepalive_timeout=s.http.keepalive_timeout_s)
@@ -281,13 +289,14 @@ class Daemon:
             await self._stop_watcher(name)
         if self._bg:
             await asyncio.gather(*self._bg, return_exceptions=True)
+        await self.model_lister.close()
         await self.proxy.close()
         self.router.close()
 
     # -- endpoints ---------------------------------------------------------------
     @staticmethod
     def _static_endpoints(settings: Settings) -> list[DiscoveredEndpoint]:
-        return [DiscoveredEndpoint(e.name, e.url, e.state_address, True) for e in settings.endpoints]
+        return [DiscoveredEndpoint(e.name, e.url, e.state_address, True, tuple(e.models)) for e in settings.endpoints]
 
     def apply_endpoints(self, endpoints: Sequence[DiscoveredEndpoint]) -> None:
         """Replace the discovered endpoint set (static endpoints stay); event-loop thread only.
@@ -304,12 +313,24 @@ class Daemon:
             return
         loop.call_soon_threadsafe(self.apply_endpoints, tuple(endpoints))
 
+    def _endpoints_to_list(self) -> list[tuple[str, str]]:
+        """Endpoints whose ``/v1/models`` is read: those without configured models, unless the
+        top-level ``models`` names a single model (then every endpoint serves it, as before
+        several models were supported, and no endpoint is asked)."""
+        if len(self.settings.models) == 1:
+            return []
+        return [(ep.name, ep.url) for ep in self.router.endpoints if not ep.removed and not ep.configured_models]
+
     def _apply_all_endpoints(self) -> None:
         names = {e.name for e in self._static}
         merged = list(self._static) + [e for e in self._discovered if e.name not in names]
+        known = {ep.name: ep.url for ep in self.router.endpoints}
         self.router.set_endpoints(merged)
         if self._loop is not None and not self._stopping:
             self._sync_watchers()
+            for e in merged:
+                if known.get(e.name) != e.url:  # new, or moved: ask it what it serves
+                    self.model_lister.poke(e.name)
 
     def _sync_watchers(self) -> None:
         wanted = {ep.name: ep.state_address for ep in self.router.endpoints if ep.state_address and not ep.removed}
@@ -386,16 +407,11 @@ class Daemon:
             self._grpc.set_serving(self.readiness()[0])
 
     def model_names(self) -> list[str]:
-        """Served model names: configured, else those the sidecars report."""
+        """Served model names: ``models`` if configured, else the union of what the endpoints serve
+        (their configured models, their ``/v1/models``, their sidecars' reports)."""
         if self.settings.models:
             return list(self.settings.models)
-        seen: dict[str, None] = {}
-        for ep in self.router.endpoints:
-            s = ep.snapshot
-            if s is not None:
-                for m in s.models:
-                    seen[m] = None
-        return list(seen)
+        return self.router.known_models()
 
     def model_allowed(self, model: str) -> bool:
         """Whether requests for ``model`` are accepted (any model while none is known)."""
@@ -504,6 +520,9 @@ class Daemon:
         self.router.configure(settings.router, settings.state.max_age_s)
         self.router.failure_cooldown_s = settings.upstream.failure_cooldown_s
         self.router.outlier = settings.upstream.outlier
+        self.model_lister.refresh_s = settings.model_refresh_s
+        self.router.default_models = frozenset(settings.models)
+        self.router._cands = None
         self.proxy.reconfigure()
         self.router.set_policy(built.policy, settings.policy.name)
         self._static = self._static_endpoints(settings)

@@ -39,7 +39,7 @@ class Inflight:
 
     __slots__ = ("rid", "label", "prompt_tokens", "predicted_bucket", "predicted_output", "load_bin",
                  "exact", "generated", "first_token", "endpoint", "dispatched_at", "arrived_at", "group", "done",
-                 "features", "exclude", "enqueued_at", "waiter", "error", "fallback", "blind")
+                 "features", "exclude", "enqueued_at", "waiter", "error", "fallback", "blind", "model")
 
     def __init__(self, rid: int, label: Any, prompt_tokens: int, predicted_bucket: int | None,
                  predicted_output: float, arrived_at: float) -> None:
@@ -66,6 +66,8 @@ class Inflight:
         """The answer arrives whole (a non-streaming request): routerd never sees its first
         token, so while the instance counts it as running it is taken to be decoding
         (vLLM's prefill is short next to the decode; see :meth:`RequestBook.residents`)."""
+        self.model: str | None = None
+        """The model the request names; None: any endpoint may take it."""
         # Router-queue fields (set by the router).
         self.features: Any = None
         self.exclude: Any = frozenset()

@@ -150,6 +150,9 @@ class EndpointConfig(_Model):
     """OpenAI-compatible base URL, e.g. ``http://10.0.0.7:8000``."""
     state_address: str | None = None
     """``host:port`` of the instance's state sidecar, or None (routerd's own bookkeeping only)."""
+    models: list[str] = Field(default_factory=list)
+    """Models it serves. Empty: learned from its ``/v1/models`` (vLLM lists the base model and
+    its loaded LoRA adapters), refreshed every ``model_refresh_s`` and after a 404 from it."""
 
     @field_validator("url")
     @classmethod
@@ -317,8 +320,9 @@ class Settings(_Model):
     """The OpenAI-compatible HTTP front, ``/metrics``, ``/healthz`` and ``/readyz``."""
     grpc: GrpcConfig = Field(default_factory=GrpcConfig)
     models: list[str] = Field(default_factory=list)
-    """Served model names. Empty: any model the sidecars report, or any model at all
-    while they report none."""
+    """Served model names, checked before dispatch. Empty: the union of what the endpoints serve
+    (``endpoints[].models``, their ``/v1/models``, their sidecars' reports), or any model at all
+    while none is known."""
     endpoints: list[EndpointConfig] = Field(default_factory=list)
     """Static instances (in addition to Kubernetes discovery, if enabled)."""
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
@@ -342,6 +346,9 @@ class Settings(_Model):
     router: RouterConfig = Field(default_factory=RouterConfig)
     state: StateConfig = Field(default_factory=StateConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    model_refresh_s: float = Field(default=30.0, gt=0)
+    """How often each endpoint's ``/v1/models`` is read again (s); also at start and after the
+    endpoint answers 404 (an adapter unloaded, a model swapped)."""
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
     """Largest request body accepted (bytes); larger gets 413."""
     drain_timeout_s: float = Field(default=30.0, ge=0)

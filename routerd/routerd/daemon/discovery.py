@@ -25,6 +25,9 @@ class DiscoveredEndpoint:
     """``host:port`` of the instance's state sidecar (gRPC ``InstanceStateService``), or None."""
     ready: bool = True
     """False while the pod is terminating or not ready: no new requests, in-flight ones finish."""
+    models: tuple[str, ...] = ()
+    """Models it serves as its source says (configured); empty: learned from its own
+    ``/v1/models`` (which for vLLM lists the base model and its loaded LoRA adapters)."""
 
 
 #: Called with the complete current endpoint set each time it changes. Sources running

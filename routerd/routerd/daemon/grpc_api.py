@@ -76,7 +76,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                     f"predicted_bucket {bucket} is outside 0..{n_buckets - 1}")
         else:
             bucket = await d.predict(request.prompt or None, tokens, request.task or None, request.max_tokens)
-        r = router.new_request(tokens, bucket, request.task or None, label=rid)
+        r = router.new_request(tokens, bucket, request.task or None, label=rid, model=request.model or None)
         first = self.held.get(rid)
         if first is not None:
             r.arrived_at = first

@@ -440,7 +440,7 @@ class Proxy:
         mt = payload.get("max_tokens", payload.get("max_completion_tokens"))
         bucket = await d.predict(prompt_text, prompt_tokens, task, mt if type(mt) is int else None)
         router = d.router
-        r = router.new_request(prompt_tokens, bucket, task)
+        r = router.new_request(prompt_tokens, bucket, task, model=payload["model"])
         r.blind = not stream
         try:
             ep = await router.dispatch(r)
@@ -528,7 +528,7 @@ class Proxy:
             log.warning("instance %s (%s): %s", ep.name, ep.url, err)
             tried.add(ep.name)
             router.finish(r)
-            if retries >= d.settings.upstream.max_retries or not router.has_candidate(tried):
+            if retries >= d.settings.upstream.max_retries or not router.has_candidate(tried, r.model):
                 metrics.count_response(502)
                 return error_response(502, f"no instance could be reached (last: {ep.name}: {err})",
                                       "upstream_error", code="upstream_unreachable")
@@ -550,6 +550,8 @@ class Proxy:
                 router.note_failure(ep, "status")
             else:
                 router.note_success(ep)
+                if status == 404:  # vLLM's answer for a model (or adapter) it no longer serves
+                    d.model_lister.poke(ep.name)
             if stream and status == 200 and ex.content_type == "text/event-stream":
                 return await self._relay_stream(request, ex, r, ep, t0)
             return await self._relay_body(ex, r, ep, t0)

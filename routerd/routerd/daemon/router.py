@@ -18,6 +18,7 @@ draining.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import operator
 import os
@@ -104,6 +105,10 @@ def build_routing_policy(cfg: "PolicyConfig", profile: "HardwareProfile", num_en
         raise ConfigError(f"policy: {e}") from None
 
 
+def _no_endpoint(model: str | None) -> str:
+    return "no ready endpoint" if model is None else f"no ready endpoint serves the model {model!r}"
+
+
 def _as_index(choice: Any) -> int:
     """A policy's choice as an int (numpy integers are fine); -2 for anything else."""
     if isinstance(choice, bool):
@@ -152,10 +157,15 @@ class Router:
         self._fallback_warned_for: int | None = None
         """Ready-endpoint count for which the policy's own fallback was last logged."""
         self._idle_waiters: list[asyncio.Future] = []
-        self._cands: list[EndpointState] | None = None
-        """Candidates without exclusions, reused while valid (see :meth:`_candidates`)."""
-        self._cands_from = 0.0
-        self._cands_until = 0.0
+        self._cands: dict[str | None, tuple[list[EndpointState], float, float]] | None = None
+        """Per model: candidates without exclusions and the times between which they stay valid
+        (see :meth:`_candidates`); None after anything they depend on changed."""
+        self._model_policies: dict[str, RoutingPolicy] = {}
+        """One copy of the policy per model (its own round-robin position, history): a model's
+        requests are decided among that model's endpoints only."""
+        self._fallbacks_seen: dict[str | None, Any] = {}
+        self.default_models: frozenset[str] = frozenset()
+        """Models an endpoint with no known list is taken to serve (the top-level ``models``)."""
         self.failure_cooldown_s = 1.0
         """First connect-failure cooldown of an endpoint (s); doubles per further failure."""
         self.outlier: "OutlierConfig | None" = None
@@ -197,6 +207,8 @@ class Router:
         self.policy = policy
         self.policy_name = name
         self._policy_fallbacks = getattr(policy, "fallbacks", None)
+        self._model_policies = {}
+        self._fallbacks_seen = {}
         self._fallback_warned_for = None
         self._idle_hold_since = None
         self._decide()
@@ -225,6 +237,7 @@ class Router:
                 if ep.url != d.url:
                     ep.url, ep.target = d.url, url_target(d.url)
                 ep.state_address, ep.ready, ep.removed = d.state_address, d.ready, False
+            ep.configured_models = frozenset(d.models)
             ep.m.ready.set(1 if ep.ready else 0)
         self._cands = None
         for ep in list(self.endpoints):
@@ -253,9 +266,50 @@ class Router:
         """Store a sidecar ``InstanceState`` for endpoint ``name`` (ignored if unknown)."""
         ep = self.by_name.get(name)
         if ep is not None:
+            before = ep.snapshot.models if ep.snapshot is not None else None
             ep.set_snapshot(state, self.clock())
+            if list(state.models) != (list(before) if before is not None else None):
+                self._cands = None  # the models it serves may have changed
             if self.queue:
                 self._decide()
+
+    def set_discovered_models(self, name: str, models: Sequence[str] | None) -> None:
+        """What endpoint ``name``'s ``/v1/models`` listed (None: the refresh failed, keep the last)."""
+        ep = self.by_name.get(name)
+        if ep is None or models is None:
+            return
+        new = frozenset(models)
+        if new != ep.discovered_models:
+            ep.discovered_models = new
+            self._cands = None
+            if self.queue:
+                self._decide()
+
+    def known_models(self) -> list[str]:
+        """Every model some present endpoint is known to serve, sorted."""
+        out: set[str] = set()
+        for ep in self.endpoints:
+            if not ep.removed and (m := ep.models):
+                out |= m
+        return sorted(out)
+
+    def _serving(self, eps: list[EndpointState], model: str) -> list[EndpointState]:
+        """The endpoints of ``eps`` that serve ``model``.
+
+        An endpoint whose models are not known (none configured for it, no answer from its
+        ``/v1/models`` or sidecar yet) is taken to serve the top-level ``models`` setting
+        (:attr:`default_models`); while no endpoint's models are known at all and that setting
+        is empty, every endpoint serves every model (a single-model deployment needs no lists).
+        """
+        default = self.default_models
+        if not default and all(ep.models is None for ep in self.endpoints):
+            return eps
+        out = []
+        for ep in eps:
+            m = ep.models
+            if model in (default if m is None else m):
+                out.append(ep)
+        return out
 
     # -- queries -----------------------------------------------------------------
     @property
@@ -268,23 +322,23 @@ class Router:
         """Requests dispatched and not finished, over all endpoints."""
         return sum(len(ep.requests) for ep in self.endpoints)
 
-    def has_candidate(self, exclude: frozenset[str] | set[str] = frozenset()) -> bool:
-        """True if some ready endpoint is not in ``exclude``."""
-        for ep in self.endpoints:
-            if ep.ready and ep.name not in exclude:
-                return True
-        return False
+    def has_candidate(self, exclude: frozenset[str] | set[str] = frozenset(), model: str | None = None) -> bool:
+        """True if some ready endpoint not in ``exclude`` serves ``model`` (None: any)."""
+        eps = [ep for ep in self.endpoints if ep.ready and ep.name not in exclude]
+        return bool(eps if model is None else self._serving(eps, model))
 
     # -- requests ----------------------------------------------------------------
     def new_request(self, prompt_tokens: int, predicted_bucket: int | None, task: str | None = None,
-                    label: Any = None) -> Inflight:
-        """A request as the router sees it before dispatch (prompt in tokens)."""
+                    label: Any = None, model: str | None = None) -> Inflight:
+        """A request as the router sees it before dispatch (prompt in tokens); it goes only to
+        endpoints serving ``model`` (None: any)."""
         rid = self._next_id
         self._next_id = rid + 1
         now = self.clock()
         pred = self._mids[predicted_bucket if predicted_bucket is not None else 0]
         r = Inflight(rid, rid if label is None else label, prompt_tokens, predicted_bucket, pred, now)
         r.features = RequestFeatures(rid, now, prompt_tokens, predicted_bucket, pred, task)
+        r.model = model
         return r
 
     async def dispatch(self, r: Inflight, exclude: frozenset[str] | set[str] = frozenset()) -> EndpointState:
@@ -302,8 +356,8 @@ class Router:
         q = self.queue
         if not exclude and len(q) >= self.queue_limit:
             raise QueueFullError(f"router queue is full ({self.queue_limit} requests)")
-        if self.no_endpoint_grace_s <= 0.0 and not self.has_candidate(exclude):
-            raise NoEndpointError("no ready endpoint")
+        if self.no_endpoint_grace_s <= 0.0 and not self.has_candidate(exclude, r.model):
+            raise NoEndpointError(_no_endpoint(r.model))
         r.exclude = exclude
         r.enqueued_at = self.clock()
         r.waiter = None
@@ -347,8 +401,8 @@ class Router:
         """
         if self.draining:
             raise DrainingError("routerd is shutting down")
-        if not self.has_candidate():
-            raise NoEndpointError("no ready endpoint")
+        if not self.has_candidate(model=r.model):
+            raise NoEndpointError(_no_endpoint(r.model))
         if self.queue:
             return None
         r.exclude = frozenset()
@@ -378,7 +432,7 @@ class Router:
             if ep.removed:
                 self._drop_removed()
         try:
-            self.policy.on_complete(ep.index, r.rid, now)
+            self._policy_for(r.model).on_complete(ep.index, r.rid, now)
         except Exception:  # noqa: BLE001 - a policy bug must not leak the request's bookkeeping
             log.exception("policy %s: on_complete failed", self.policy_name)
         if self.queue:
@@ -448,28 +502,39 @@ class Router:
             self.on_ready_change()
 
     # -- the decision loop -------------------------------------------------------
-    def _candidates(self, exclude, now: float) -> list[EndpointState]:
+    def _policy_for(self, model: str | None) -> RoutingPolicy:
+        """The policy deciding ``model``'s requests: a copy per model, so that state a policy
+        keeps (a round-robin position, a learned router's history) is that model's alone."""
+        if model is None or len(self.known_models() or self.default_models) <= 1:
+            return self.policy  # one model served: one policy, as before
+        p = self._model_policies.get(model)
+        if p is None:
+            p = self._model_policies[model] = copy.deepcopy(self.policy)
+        return p
+
+    def _candidates(self, exclude, now: float, model: str | None = None) -> list[EndpointState]:
         """Ready endpoints not in ``exclude`` and not cooling down (all ready ones if every one is).
 
         Without exclusions the list is reused until the endpoint table or a cooldown
         changes, or the earliest cooldown ends: it is rebuilt at most that often instead
         of at every decision. Callers must not modify it.
         """
+        if not exclude and self._cands is not None:
+            c = self._cands.get(model)
+            if c is not None and c[1] <= now < c[2]:
+                return c[0]
+        ready = [ep for ep in self.endpoints if ep.ready and ep.name not in exclude]
+        if model is not None:
+            ready = self._serving(ready, model)
+        # Every ready endpoint cooling down or ejected: try them anyway (the ejection cap keeps
+        # this rare); a request is better sent than refused.
+        cands = [ep for ep in ready if ep.down_until <= now and ep.ejected_until <= now] or ready
         if not exclude:
-            c = self._cands
-            if c is not None and self._cands_from <= now < self._cands_until:
-                return c
-        cands = [ep for ep in self.endpoints
-                 if ep.ready and ep.down_until <= now and ep.ejected_until <= now and ep.name not in exclude]
-        if not cands:
-            # Every ready endpoint is cooling down or ejected: try them anyway (the ejection
-            # cap keeps this rare); a request is better sent than refused.
-            cands = [ep for ep in self.endpoints if ep.ready and ep.name not in exclude]
-        if not exclude:
-            self._cands = cands
-            self._cands_from = now
-            self._cands_until = min((t for ep in self.endpoints if ep.ready
-                                     for t in (ep.down_until, ep.ejected_until) if t > now), default=float("inf"))
+            until = min((t for ep in ready for t in (ep.down_until, ep.ejected_until) if t > now),
+                        default=float("inf"))
+            if self._cands is None:
+                self._cands = {}
+            self._cands[model] = (cands, now, until)
         return cands
 
     def _round_robin(self, cands: list[EndpointState]) -> EndpointState:
@@ -487,13 +552,14 @@ class Router:
                 q.popleft()
                 continue
             now = self.clock()
-            cands = self._candidates(r.exclude, now)
+            cands = self._candidates(r.exclude, now, r.model)
             if not cands:
                 if self.no_endpoint_grace_s <= 0.0 or now - r.enqueued_at >= self.no_endpoint_grace_s:
                     q.popleft()
-                    self._reject(r, NoEndpointError("no ready endpoint"))
+                    self._reject(r, NoEndpointError(_no_endpoint(r.model)))
                     continue
                 break
+            policy = self._policy_for(r.model)
             max_age = self.state_max_age_s
             all_stale = True
             for ep in cands:
@@ -506,13 +572,13 @@ class Router:
             else:
                 t0 = time.perf_counter()
                 seen = cands
-                if len(cands) > 1 and not getattr(self.policy, "order_sensitive", True):
+                if len(cands) > 1 and not getattr(policy, "order_sensitive", True):
                     # Random order: "first among equals" is then a random one (no herding of
                     # several replicas onto the lowest index).
                     seen = cands[:]
                     self._rng.shuffle(seen)  # type: ignore[union-attr]  # set by configure
                 try:
-                    choice = self.policy.pick(r.features, ClusterView(now, seen, len(q)))
+                    choice = policy.pick(r.features, ClusterView(now, seen, len(q)))
                 except Exception:  # noqa: BLE001 - fail open, never fail the request
                     log.exception("policy %s failed; routing round robin", self.policy_name)
                     choice = -1
@@ -534,9 +600,10 @@ class Router:
                         ep = self._round_robin(cands)
                         reason = "policy_error" if choice == -1 else "invalid_choice"
                     elif self._policy_fallbacks is not None:
-                        fb = self.policy.fallbacks  # type: ignore[attr-defined]
-                        if fb != self._policy_fallbacks:
-                            self._policy_fallbacks = fb
+                        fb = policy.fallbacks  # type: ignore[attr-defined]
+                        seen_fb = self._fallbacks_seen.get(r.model, self._policy_fallbacks)
+                        if fb != seen_fb:
+                            self._fallbacks_seen[r.model] = fb
                             reason = "policy_fallback"
                             if self._fallback_warned_for != len(cands):
                                 # Once per cluster size: the counter says how often.
@@ -544,7 +611,7 @@ class Router:
                                 log.warning("policy %s was built for %s instances and %d are ready; routing "
                                             "round robin while the sizes differ (counted in "
                                             "phasewise_fallbacks_total{reason=\"policy_fallback\"})",
-                                            self.policy_name, self.policy.ctx.num_instances, len(cands))
+                                            self.policy_name, policy.ctx.num_instances, len(cands))
             q.popleft()
             self._idle_hold_since = None
             self._assign(r, ep, now, reason)

@@ -84,8 +84,26 @@ class EndpointState(RequestBook):
         self.probation = False
         """Back from an ejection without a success yet: one failure ejects it again."""
         self.idle_since = 0.0
+        self.configured_models: frozenset[str] = frozenset()
+        """Models its source says it serves (config ``endpoints[].models``)."""
+        self.discovered_models: frozenset[str] | None = None
+        """Models its own ``/v1/models`` listed at the last refresh; None before one succeeded."""
         self.m: Any = None
         """Pre-resolved metric children (:class:`routerd.daemon.metrics.EndpointMetrics`)."""
+
+    @property
+    def models(self) -> frozenset[str] | None:
+        """Every model it is known to serve (configured, listed by ``/v1/models``, reported by its
+        sidecar), or None when nothing is known yet."""
+        known = self.configured_models
+        if self.discovered_models is not None:
+            known = known | self.discovered_models
+        s = self.snapshot
+        if s is not None and s.models:
+            known = known | frozenset(s.models)
+        if known or self.discovered_models is not None:
+            return known
+        return None
 
     @property
     def kv_usage(self) -> float:

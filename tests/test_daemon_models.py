@@ -1,0 +1,136 @@
+"""Several models behind one routerd (issue 15): each endpoint serves a set of models (configured
+or read from its own /v1/models), a request goes only to endpoints serving its model, policy
+state is per model, /v1/models is the union, an unknown model is 404 before any dispatch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import aiohttp
+import pytest
+
+from daemon_fakes import FakeBackend, sample, start_daemon
+from routerd.daemon.models import parse_models
+
+POLICIES = ["round_robin", "join_shortest_queue", "least_outstanding_tokens", "late_binding", "power_of_two_choices",
+            "random", "mixing_penalty", "llmd", "phasewise"]
+
+
+async def _post(s, base: str, model: str) -> tuple[int, str | None]:
+    body = {"model": model, "prompt": "p", "max_tokens": 2}
+    async with s.post(base + "/v1/completions", json=body) as r:
+        await r.read()
+        return r.status, r.headers.get("x-backend")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_requests_go_only_to_endpoints_serving_their_model(policy):
+    """Target: 0 requests sent to an endpoint that does not serve their model, in a mixed load."""
+    async def main():
+        a = [await FakeBackend(f"a{i}", models=("model-a",)).start() for i in range(2)]
+        b = [await FakeBackend(f"b{i}", models=("model-b", "model-b-lora")).start() for i in range(2)]
+        d = await start_daemon([*a, *b], models=[], policy={"name": policy}, router={"tie_break_seed": 3})
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(base + "/v1/models") as r:
+                    assert sorted(m["id"] for m in (await r.json())["data"]) == ["model-a", "model-b",
+                                                                                 "model-b-lora"]
+                wanted = ["model-a", "model-b", "model-b-lora"] * 40
+                got = []
+                for i in range(0, len(wanted), 12):  # concurrent, so load-aware policies see load
+                    got += await asyncio.gather(*(_post(s, base, m) for m in wanted[i:i + 12]))
+                wrong = [(m, where) for m, (_, where) in zip(wanted, got)
+                         if not where or (where[0] == "a") != (m == "model-a")]
+                assert [st for st, _ in got] == [200] * len(wanted)
+                assert wrong == []
+                # Backends saw only their own models.
+                for back in (*a, *b):
+                    seen = {json.loads(x)["model"] for x in back.bodies}
+                    assert seen <= set(back.models), (back.name, seen)
+                status, _ = await _post(s, base, "model-c")
+                assert status == 404
+            assert sample(d, "phasewise_rejections_total", reason="not_found") == 1
+            assert sum(b_.started for b_ in (*a, *b)) == len(wanted)  # the 404 reached nobody
+        finally:
+            await d.stop()
+            for x in (*a, *b):
+                await x.stop()
+
+    asyncio.run(main())
+
+
+def test_round_robin_position_is_per_model():
+    async def main():
+        a = [await FakeBackend(f"a{i}", models=("model-a",)).start() for i in range(2)]
+        b = [await FakeBackend(f"b{i}", models=("model-b",)).start() for i in range(3)]
+        d = await start_daemon([*a, *b], models=[], policy={"name": "round_robin"})
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                order = [await _post(s, base, m) for m in ["model-a", "model-b"] * 6]
+            a_seq = [w for (m, (_, w)) in zip(["model-a", "model-b"] * 6, order) if m == "model-a"]
+            b_seq = [w for (m, (_, w)) in zip(["model-a", "model-b"] * 6, order) if m == "model-b"]
+            assert a_seq == ["a0", "a1"] * 3 and b_seq == ["b0", "b1", "b2"] * 2
+        finally:
+            await d.stop()
+            for x in (*a, *b):
+                await x.stop()
+
+    asyncio.run(main())
+
+
+def test_configured_models_need_no_discovery_and_a_404_refreshes_the_list():
+    async def main():
+        a = await FakeBackend("a0", models=("model-a",)).start()
+        b = await FakeBackend("b0", models=("model-b",)).start()
+        d = await start_daemon([], models=[], endpoints=[{"name": "a0", "url": a.url, "models": ["model-a"]},
+                                                         {"name": "b0", "url": b.url}])
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                assert (await _post(s, base, "model-b"))[1] == "b0"
+                # b0 swaps its model; the next /v1/models read (here: forced) routes by the new one.
+                b.models = ["model-b2"]
+                await d.model_lister.refresh()
+                assert sorted(d.model_names()) == ["model-a", "model-b2"]
+                assert (await _post(s, base, "model-b2"))[1] == "b0"
+                assert (await _post(s, base, "model-b"))[0] == 404
+        finally:
+            await d.stop()
+            await a.stop()
+            await b.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("body, ok", [
+    (b'{"object": "list", "data": [{"id": "m", "object": "model"}, {"id": "lora-1"}]}', ["m", "lora-1"]),
+    (b'{"data": []}', []),
+    (b'not json', None), (b'{"data": {"id": "m"}}', None), (b'{"data": [{"name": "m"}]}', None), (b'[]', None),
+])
+def test_parse_models(body, ok):
+    if ok is None:
+        with pytest.raises(ValueError):
+            parse_models(body)
+    else:
+        assert parse_models(body) == ok
+
+
+def test_decisions_are_spread_per_model_with_counters():
+    async def main():
+        a = [await FakeBackend(f"a{i}", models=("model-a",)).start() for i in range(3)]
+        d = await start_daemon(a, models=[], policy={"name": "join_shortest_queue"}, router={"tie_break_seed": 5})
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                got = [await _post(s, base, "model-a") for _ in range(30)]
+            assert Counter(w for _, w in got).keys() == {"a0", "a1", "a2"}
+        finally:
+            await d.stop()
+            for x in a:
+                await x.stop()
+
+    asyncio.run(main())
