@@ -285,6 +285,17 @@ class Router:
             if self.queue:
                 self._decide()
 
+    def _several_models(self) -> bool:
+        """Whether more than one model is served (stops at the second one: it runs per decision)."""
+        first = None
+        for ep in self.endpoints:
+            for m in (ep.models or self.default_models):
+                if first is None:
+                    first = m
+                elif m != first:
+                    return True
+        return False
+
     def known_models(self) -> list[str]:
         """Every model some present endpoint is known to serve, sorted."""
         out: set[str] = set()
@@ -505,7 +516,7 @@ class Router:
     def _policy_for(self, model: str | None) -> RoutingPolicy:
         """The policy deciding ``model``'s requests: a copy per model, so that state a policy
         keeps (a round-robin position, a learned router's history) is that model's alone."""
-        if model is None or len(self.known_models() or self.default_models) <= 1:
+        if model is None or not self._several_models():
             return self.policy  # one model served: one policy, as before
         p = self._model_policies.get(model)
         if p is None:
