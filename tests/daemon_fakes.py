@@ -51,6 +51,15 @@ class FakeBackend:
         """SSE line ending of streamed events: LF (vLLM's), or CRLF / CR (the SSE specification allows both)."""
         self.tokens_sent = 0
         self.models = list(models)
+        """What its ``/v1/models`` lists."""
+        self.models_status = 200
+        """Status of its ``/v1/models`` answers (401/403: vLLM started with ``--api-key``)."""
+        self.models_reads = 0
+        """``GET /v1/models`` requests received."""
+        self.reject_unknown_models = False
+        """Answer a completion for a model not in :attr:`models` with vLLM's 404, as vLLM does."""
+        self.misrouted = 0
+        """Completions received for a model not in :attr:`models`."""
         self.bodies: list[bytes] = []
         self.headers: list[dict] = []
         self.started = 0
@@ -84,6 +93,10 @@ class FakeBackend:
             self.runner = None
 
     async def _models(self, request: web.Request) -> web.Response:
+        self.models_reads += 1
+        if self.models_status != 200:
+            return web.json_response({"object": "error", "message": "Unauthorized", "type": "Unauthorized",
+                                      "code": self.models_status}, status=self.models_status)
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -108,6 +121,13 @@ class FakeBackend:
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
         payload = json.loads(body)
+        if payload.get("model") not in self.models:
+            self.misrouted += 1
+            if self.reject_unknown_models:
+                # vLLM's answer (serving_engine.py: _check_model): 404 NotFoundError.
+                return web.json_response({"object": "error", "message": f"The model `{payload.get('model')}` "
+                                          "does not exist.", "type": "NotFoundError", "param": None, "code": 404},
+                                         status=404)
         if payload.get("prompt") == "invalid":
             # vLLM's own validation error: relayed to the client as it is.
             return web.json_response({"object": "error", "message": "bad prompt", "type": "BadRequestError",

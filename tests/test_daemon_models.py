@@ -12,7 +12,9 @@ import aiohttp
 import pytest
 
 from daemon_fakes import FakeBackend, sample, start_daemon
+from routerd.daemon.config import Settings
 from routerd.daemon.models import parse_models
+from stack_processes import poll_until
 
 POLICIES = ["round_robin", "join_shortest_queue", "least_outstanding_tokens", "late_binding", "power_of_two_choices",
             "random", "mixing_penalty", "llmd", "phasewise"]
@@ -132,5 +134,134 @@ def test_decisions_are_spread_per_model_with_counters():
             await d.stop()
             for x in a:
                 await x.stop()
+
+    asyncio.run(main())
+
+
+# -- fail closed (an endpoint whose list is not known serves nothing while several models are possible) --
+
+async def _stop_all(d, backs) -> None:
+    await d.stop()
+    for x in backs:
+        await x.stop()
+
+
+@pytest.mark.parametrize("models, status", [(["model-a", "model-b"], 401), (["model-a", "model-b"], 403),
+                                            ([], 401), (["model-a", "model-b"], 500)])
+def test_an_endpoint_whose_list_is_unreadable_serves_nothing(models, status):
+    """x's /v1/models answers 401/403/500 (vLLM's --api-key, a broken server): x takes no request,
+    neither for the top-level models nor for any other, until its list is known."""
+    async def main():
+        a = await FakeBackend("a0", models=("model-a",)).start()
+        x = await FakeBackend("x0", models=("model-b",)).start()
+        x.models_status = status
+        d = await start_daemon([a, x], models=models)
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                got = [await _post(s, base, "model-a") for _ in range(6)]
+                assert got == [(200, "a0")] * 6
+                if models:  # model-b is configured but no known list has it: 503, sent nowhere
+                    assert (await _post(s, base, "model-b"))[0] == 503
+                assert x.started == 0
+                # Once x's list can be read, x serves what it lists.
+                x.models_status = 200
+                await d.model_lister.refresh()
+                assert await _post(s, base, "model-b") == (200, "x0")
+        finally:
+            await _stop_all(d, (a, x))
+
+    asyncio.run(main())
+
+
+def test_a_list_that_becomes_unreadable_is_forgotten_and_a_single_model_goes_everywhere():
+    async def main():
+        a = await FakeBackend("a0", models=("model-a",)).start()
+        b = await FakeBackend("b0", models=("model-b",)).start()
+        d = await start_daemon([a, b], models=["model-a", "model-b"])
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                assert await _post(s, base, "model-b") == (200, "b0")
+                b.models_status = 401  # the answer says "not for you": b's models are unknown now
+                await d.model_lister.refresh()
+                assert (await _post(s, base, "model-b"))[0] == 503
+                assert b.started == 1
+        finally:
+            await _stop_all(d, (a, b))
+
+    asyncio.run(main())
+
+
+def test_one_configured_model_and_nothing_discovered_goes_to_every_endpoint():
+    """Today's single-model behaviour: no /v1/models read, every endpoint takes the model."""
+    async def main():
+        backs = [await FakeBackend(f"e{i}", models=("other",)).start() for i in range(2)]
+        d = await start_daemon(backs, models=["m"], policy={"name": "round_robin"})
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                got = [await _post(s, base, "m") for _ in range(4)]
+            assert [w for _, w in got] == ["e0", "e1", "e0", "e1"]
+            assert [b_.models_reads for b_ in backs] == [0, 0]
+        finally:
+            await _stop_all(d, backs)
+
+    asyncio.run(main())
+
+
+def _settings(d, **changes) -> Settings:
+    return Settings.model_validate({**d.settings.model_dump(), **changes})
+
+
+def test_configured_models_replace_discovered_ones_across_reloads():
+    async def main():
+        b = await FakeBackend("b0", models=("model-b",)).start()
+        a = await FakeBackend("a0", models=("model-a",)).start()
+        d = await start_daemon([a, b], models=[])
+        base = f"http://127.0.0.1:{d.http_port}"
+        eps = [{"name": "a0", "url": a.url}, {"name": "b0", "url": b.url}]
+        try:
+            async with aiohttp.ClientSession() as s:
+                assert await _post(s, base, "model-b") == (200, "b0")
+                # b0 is now configured to serve model-c: its discovered model-b must not survive.
+                assert await d.reload(_settings(d, endpoints=[eps[0], {**eps[1], "models": ["model-c"]}]))
+                assert sorted(d.model_names()) == ["model-a", "model-c"]
+                assert (await _post(s, base, "model-b"))[0] == 404
+                assert await _post(s, base, "model-c") == (200, "b0")
+                # Configured models gone: b0 is read again at once (not after model_refresh_s = 30 s).
+                reads = b.models_reads
+                assert await d.reload(_settings(d, endpoints=eps))
+                await poll_until(lambda: b.models_reads, lambda n: n > reads, 10.0, "b0's /v1/models read again")
+                await poll_until(d.model_names, lambda n: sorted(n) == ["model-a", "model-b"], 10.0,
+                                 "model-b learned again")
+                assert await _post(s, base, "model-b") == (200, "b0")
+            assert b.started == 3 and a.started == 0
+        finally:
+            await _stop_all(d, (a, b))
+
+    asyncio.run(main())
+
+
+def test_a_change_of_models_on_reload_reads_every_list_at_once():
+    async def main():
+        a = await FakeBackend("a0", models=("model-a",)).start()
+        b = await FakeBackend("b0", models=("model-b",)).start()
+        d = await start_daemon([a, b], models=["model-a"])  # one model: nothing is read
+        try:
+            assert (a.models_reads, b.models_reads) == (0, 0)
+            assert await d.reload(_settings(d, models=["model-a", "model-b"]))
+            await poll_until(lambda: (a.models_reads, b.models_reads), lambda n: min(n) >= 1, 10.0,
+                             "both lists read after the reload")
+            base = f"http://127.0.0.1:{d.http_port}"
+            async with aiohttp.ClientSession() as s:
+                await poll_until(lambda: _post(s, base, "model-b"), lambda r: r == (200, "b0"), 10.0,
+                                 "model-b routed to b0")
+                assert [await _post(s, base, "model-a") for _ in range(3)] == [(200, "a0")] * 3
+            # Back to one model: the lists learned meanwhile are dropped (nothing refreshes them).
+            assert await d.reload(_settings(d, models=["model-a"]))
+            assert [ep.discovered_models for ep in d.router.endpoints] == [None, None]
+        finally:
+            await _stop_all(d, (a, b))
 
     asyncio.run(main())

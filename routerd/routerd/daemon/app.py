@@ -150,7 +150,7 @@ class Daemon:
                              bucket_edges=built.edges)
         self.router.failure_cooldown_s = settings.upstream.failure_cooldown_s
         self.router.outlier = settings.upstream.outlier
-        self.router.default_models = frozenset(settings.models)
+        self.router.set_default_models(settings.models)
         self.router.on_ready_change = self._on_ready_change
         self.started_at_unix = time.time()
         self._static: list[DiscoveredEndpoint] = self._static_endpoints(settings)
@@ -324,12 +324,18 @@ class Daemon:
     def _apply_all_endpoints(self) -> None:
         names = {e.name for e in self._static}
         merged = list(self._static) + [e for e in self._discovered if e.name not in names]
-        known = {ep.name: ep.url for ep in self.router.endpoints}
+        known = {ep.name: (ep.url, ep.configured_models) for ep in self.router.endpoints}
         self.router.set_endpoints(merged)
+        # A list nothing refreshes any more (the endpoint is configured now, or ``models`` names
+        # one model) must not linger: it would be trusted long after it went stale.
+        listed = {n for n, _ in self._endpoints_to_list()}
+        self.router.forget_discovered_models(
+            [ep.name for ep in self.router.endpoints if ep.discovered_models is not None and ep.name not in listed])
         if self._loop is not None and not self._stopping:
             self._sync_watchers()
             for e in merged:
-                if known.get(e.name) != e.url:  # new, or moved: ask it what it serves
+                if e.name in listed and known.get(e.name) != (e.url, frozenset(e.models)):
+                    # New, moved, or its configured models changed: ask it what it serves.
                     self.model_lister.poke(e.name)
 
     def _sync_watchers(self) -> None:
@@ -521,12 +527,15 @@ class Daemon:
         self.router.failure_cooldown_s = settings.upstream.failure_cooldown_s
         self.router.outlier = settings.upstream.outlier
         self.model_lister.refresh_s = settings.model_refresh_s
-        self.router.default_models = frozenset(settings.models)
-        self.router._cands = None
+        self.router.set_default_models(settings.models)
         self.proxy.reconfigure()
         self.router.set_policy(built.policy, settings.policy.name)
         self._static = self._static_endpoints(settings)
         self._apply_all_endpoints()
+        if old.models != settings.models:
+            # Which endpoints are read, and what an unknown one serves, depend on ``models``:
+            # read every list now rather than after model_refresh_s.
+            self.model_lister.poke_all()
         self.metrics.reloads.labels("ok").inc()
         log.info("reloaded: policy %s, %d endpoints", settings.policy.name, len(self.router.endpoints))
         return True

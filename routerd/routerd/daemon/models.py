@@ -4,8 +4,8 @@ vLLM answers ``GET /v1/models`` with the served model name(s) and every loaded L
 (``vllm/entrypoints/openai/serving_models.py``: ``show_available_models``), in the OpenAI
 shape ``{"object": "list", "data": [{"id": NAME, ...}, ...]}``. :class:`ModelLister` reads
 it from every endpoint at start, every ``refresh_s`` after, and soon after :meth:`poke`
-(the proxy pokes an endpoint that answered 404: an adapter unloaded, a model swapped).
-A failed read keeps the endpoint's last known list (``on_models(name, None)``).
+(the proxy pokes an endpoint that answered 404: an adapter unloaded, a model swapped; a
+reload pokes every endpoint when ``models`` or ``endpoints[].models`` change).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import aiohttp
 
@@ -39,23 +39,43 @@ def parse_models(body: bytes) -> list[str]:
     return ids
 
 
+#: What :meth:`ModelLister.fetch` returns when the endpoint could not be reached (connect error,
+#: timeout): the endpoint's last known list stands (its health is the proxy's business).
+UNREACHABLE = object()
+
+
 class ModelLister:
     """Refreshes the model list of each endpoint.
 
+    A read has three outcomes. A 200 with an OpenAI model list: ``on_models(name, ids)``. Any
+    other answer (401/403 from vLLM's ``--api-key``, 404 from a server without the route, a 5xx,
+    a body that is not a model list): ``on_models(name, None)``, the endpoint's models are
+    unknown from then on and it serves nothing while several models are possible (fail
+    closed). No answer at all (connect error, timeout): nothing is reported, the last known
+    list stands. An endpoint whose last read failed is read again every ``retry_s``.
+
+    routerd has no upstream API-key setting (requests carry their clients' own
+    ``Authorization``), so ``headers`` is empty by default: behind vLLM's ``--api-key`` the
+    lists cannot be read and ``endpoints[].models`` must be configured.
+
     Args:
-        endpoints: returns the current (name, base URL) pairs.
-        on_models: called on the event loop with (name, ids), or (name, None) after a failed read.
+        endpoints: returns the current (name, base URL) pairs to read.
+        on_models: called on the event loop with (name, ids), or (name, None) as above.
         refresh_s: interval between two full refreshes (s).
         timeout_s: bound on one ``/v1/models`` request (s).
+        retry_s: interval between reads of an endpoint whose last read failed (s), at most ``refresh_s``.
+        headers: sent with every read (e.g. ``Authorization: Bearer KEY``).
     """
 
     def __init__(self, endpoints: Callable[[], Iterable[tuple[str, str]]],
                  on_models: Callable[[str, list[str] | None], None], *, refresh_s: float = 30.0,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, retry_s: float = 2.0, headers: dict[str, str] | None = None) -> None:
         self.endpoints = endpoints
         self.on_models = on_models
         self.refresh_s = refresh_s
         self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.headers = dict(headers or {})
         self._session: aiohttp.ClientSession | None = None
         self._poked: set[str] = set()
         self._wake = asyncio.Event()
@@ -66,21 +86,31 @@ class ModelLister:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         return self._session
 
-    async def fetch(self, name: str, url: str) -> list[str] | None:
-        """The ids ``url``'s ``/v1/models`` lists, or None (logged once per failing streak)."""
+    async def fetch(self, name: str, url: str) -> Any:
+        """The ids ``url``'s ``/v1/models`` lists; None when it answered without a usable list;
+        :data:`UNREACHABLE` when it did not answer. Failures are logged once per failing streak."""
         session = await self._session_()
+        unreachable = False
         try:
-            async with session.get(url + "/v1/models") as r:
-                body = await r.read()
-                if r.status != 200:
-                    raise ValueError(f"HTTP {r.status}")
+            try:
+                async with session.get(url + "/v1/models", headers=self.headers) as r:
+                    body = await r.read()
+                    status = r.status
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                unreachable = True
+                raise ValueError(str(e) or type(e).__name__) from None
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
             ids = parse_models(body)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError) as e:
             if name not in self._failing:
                 self._failing.add(name)
-                log.warning("endpoint %s: cannot read %s/v1/models (%s); keeping its last known models",
-                            name, url, str(e) or type(e).__name__)
-            return None
+                log.warning("endpoint %s: cannot read %s/v1/models (%s); %s", name, url, e,
+                            "keeping its last known models" if unreachable
+                            else "it serves no model until its list can be read (or endpoints[].models is set)")
+            else:
+                self._failing.add(name)
+            return UNREACHABLE if unreachable else None
         self._failing.discard(name)
         return ids
 
@@ -89,30 +119,48 @@ class ModelLister:
         targets = [(n, u) for n, u in self.endpoints() if names is None or n in names]
         results = await asyncio.gather(*(self.fetch(n, u) for n, u in targets))
         for (n, _), ids in zip(targets, results):
-            self.on_models(n, ids)
+            if ids is not UNREACHABLE:
+                self.on_models(n, ids)
 
     def poke(self, name: str) -> None:
         """Refresh ``name`` soon (its answer suggested its models changed)."""
         self._poked.add(name)
         self._wake.set()
 
+    def poke_all(self) -> None:
+        """Refresh every endpoint soon (what they serve may have changed: a reload)."""
+        self._poked.update(n for n, _ in self.endpoints())
+        self._wake.set()
+
     async def run(self) -> None:
-        """Refresh everything every ``refresh_s``, and poked endpoints as soon as poked."""
+        """Refresh everything every ``refresh_s``, poked endpoints as soon as poked, failing
+        ones every ``retry_s``."""
         loop = asyncio.get_running_loop()
         next_full = loop.time() + self.refresh_s
+        next_retry = loop.time() + min(self.retry_s, self.refresh_s)
         while True:
+            due = next_full if not self._failing else min(next_full, next_retry)
+            # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow the task's own
+            # cancellation when it races the timeout, and stop() then waits for ever.
+            w = asyncio.ensure_future(self._wake.wait())
             try:
-                await asyncio.wait_for(self._wake.wait(), max(0.0, next_full - loop.time()))
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait((w,), timeout=max(0.0, due - loop.time()))
+            finally:
+                w.cancel()
             self._wake.clear()
-            if loop.time() >= next_full:
+            now = loop.time()
+            if now >= next_full:
                 self._poked.clear()
                 await self.refresh()
                 next_full = loop.time() + self.refresh_s
-            elif self._poked:
-                poked, self._poked = self._poked, set()
-                await self.refresh(poked)
+                next_retry = loop.time() + min(self.retry_s, self.refresh_s)
+                continue
+            todo, self._poked = self._poked, set()
+            if now >= next_retry:
+                todo |= self._failing
+                next_retry = now + min(self.retry_s, self.refresh_s)
+            if todo:
+                await self.refresh(todo)
 
     async def close(self) -> None:
         if self._session is not None:

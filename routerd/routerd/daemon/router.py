@@ -165,7 +165,12 @@ class Router:
         requests are decided among that model's endpoints only."""
         self._fallbacks_seen: dict[str | None, Any] = {}
         self.default_models: frozenset[str] = frozenset()
-        """Models an endpoint with no known list is taken to serve (the top-level ``models``)."""
+        """The top-level ``models`` setting (:meth:`set_default_models`)."""
+        self._several = False
+        self._lists: dict[str, frozenset[str] | None] = {}
+        """Per endpoint name: the models it serves; None: every model (see :meth:`_rebuild_models`)."""
+        self._known: frozenset[str] = frozenset()
+        self._known_sorted: list[str] = []
         self.failure_cooldown_s = 1.0
         """First connect-failure cooldown of an endpoint (s); doubles per further failure."""
         self.outlier: "OutlierConfig | None" = None
@@ -237,7 +242,12 @@ class Router:
                 if ep.url != d.url:
                     ep.url, ep.target = d.url, url_target(d.url)
                 ep.state_address, ep.ready, ep.removed = d.state_address, d.ready, False
-            ep.configured_models = frozenset(d.models)
+            configured = frozenset(d.models)
+            if configured != ep.configured_models:
+                ep.configured_models = configured
+                # A list read before is of another configuration: read it again (the caller
+                # pokes the lister), and serve nothing from it meanwhile.
+                ep.discovered_models = None
             ep.m.ready.set(1 if ep.ready else 0)
         self._cands = None
         for ep in list(self.endpoints):
@@ -246,6 +256,7 @@ class Router:
                 ep.ready = False
                 ep.m.ready.set(0)
         self._drop_removed()
+        self._rebuild_models()
         if self.on_ready_change is not None:
             self.on_ready_change()
         self._decide()
@@ -261,6 +272,7 @@ class Router:
         self.endpoints = [ep for ep in self.endpoints if not (ep.removed and not ep.requests)]
         for i, ep in enumerate(self.endpoints):
             ep.index = i
+        self._rebuild_models()
 
     def update_state(self, name: str, state: Any) -> None:
         """Store a sidecar ``InstanceState`` for endpoint ``name`` (ignored if unknown)."""
@@ -269,56 +281,99 @@ class Router:
             before = ep.snapshot.models if ep.snapshot is not None else None
             ep.set_snapshot(state, self.clock())
             if list(state.models) != (list(before) if before is not None else None):
-                self._cands = None  # the models it serves may have changed
+                self._rebuild_models()  # the models it serves may have changed
+                self._cands = None
             if self.queue:
                 self._decide()
 
     def set_discovered_models(self, name: str, models: Sequence[str] | None) -> None:
-        """What endpoint ``name``'s ``/v1/models`` listed (None: the refresh failed, keep the last)."""
+        """What endpoint ``name``'s ``/v1/models`` listed; None: it answered without a usable list
+        (401/403, not a model list), so its models are unknown again (fail closed).
+
+        Ignored for an unknown endpoint and for one with configured ``endpoints[].models``
+        (those replace whatever it lists; a read started before a reload may end after it).
+        """
         ep = self.by_name.get(name)
-        if ep is None or models is None:
+        if ep is None or ep.configured_models:
             return
-        new = frozenset(models)
+        new = frozenset(models) if models is not None else None
         if new != ep.discovered_models:
             ep.discovered_models = new
-            self._cands = None
-            if self.queue:
-                self._decide()
+            self._models_changed()
+
+    def forget_discovered_models(self, names: Sequence[str]) -> None:
+        """Drop what the endpoints ``names`` listed (nothing refreshes those lists any more)."""
+        changed = False
+        for name in names:
+            ep = self.by_name.get(name)
+            if ep is not None and ep.discovered_models is not None:
+                ep.discovered_models = None
+                changed = True
+        if changed:
+            self._models_changed()
+
+    def set_default_models(self, models: Sequence[str]) -> None:
+        """The top-level ``models`` setting: the models requests may name (empty: any known)."""
+        new = frozenset(models)
+        if new != self.default_models:
+            self.default_models = new
+            self._models_changed()
+
+    def _models_changed(self) -> None:
+        self._rebuild_models()
+        self._cands = None
+        if self.queue:
+            self._decide()
+
+    def _rebuild_models(self) -> None:
+        """Recompute which endpoint serves which model, after anything it depends on changed.
+
+        An endpoint's list is its ``endpoints[].models`` if configured, else what its own
+        ``/v1/models`` listed, plus the names its sidecar reports. Several models are possible
+        when ``models`` names more than one, or (``models`` empty) when the known lists name
+        more than one or some endpoint's list is still unknown. Then an endpoint without a
+        known list serves nothing (fail closed: a request must never reach an endpoint that
+        may not serve its model). With one possible model, such an endpoint serves every
+        model (the single-model deployment, which needs no lists).
+        """
+        present = [ep for ep in self.endpoints if not ep.removed]
+        lists: dict[str, frozenset[str] | None] = {}
+        for ep in present:
+            listed = ep.configured_models or ep.discovered_models
+            s = ep.snapshot
+            side = frozenset(s.models) if s is not None and s.models else frozenset()
+            lists[ep.name] = (listed | side) if listed is not None else (side or None)
+        names: set[str] = set()
+        for m in lists.values():
+            if m:
+                names |= m
+        default = self.default_models
+        if default:
+            several = len(default) > 1
+        else:
+            several = len(names) > 1 or (bool(names) and any(m is None for m in lists.values()))
+        if several:
+            lists = {k: (m if m is not None else frozenset()) for k, m in lists.items()}
+        self._several = several
+        self._lists = lists
+        self._known = frozenset(names)
+        self._known_sorted = sorted(names)
 
     def _several_models(self) -> bool:
-        """Whether more than one model is served (stops at the second one: it runs per decision)."""
-        first = None
-        for ep in self.endpoints:
-            for m in (ep.models or self.default_models):
-                if first is None:
-                    first = m
-                elif m != first:
-                    return True
-        return False
+        """Whether more than one model is possible (see :meth:`_rebuild_models`)."""
+        return self._several
 
     def known_models(self) -> list[str]:
         """Every model some present endpoint is known to serve, sorted."""
-        out: set[str] = set()
-        for ep in self.endpoints:
-            if not ep.removed and (m := ep.models):
-                out |= m
-        return sorted(out)
+        return list(self._known_sorted)
 
     def _serving(self, eps: list[EndpointState], model: str) -> list[EndpointState]:
-        """The endpoints of ``eps`` that serve ``model``.
-
-        An endpoint whose models are not known (none configured for it, no answer from its
-        ``/v1/models`` or sidecar yet) is taken to serve the top-level ``models`` setting
-        (:attr:`default_models`); while no endpoint's models are known at all and that setting
-        is empty, every endpoint serves every model (a single-model deployment needs no lists).
-        """
-        default = self.default_models
-        if not default and all(ep.models is None for ep in self.endpoints):
-            return eps
+        """The endpoints of ``eps`` that serve ``model`` (see :meth:`_rebuild_models`)."""
+        lists = self._lists
         out = []
         for ep in eps:
-            m = ep.models
-            if model in (default if m is None else m):
+            m = lists.get(ep.name, frozenset())
+            if m is None or model in m:
                 out.append(ep)
         return out
 
