@@ -265,3 +265,60 @@ def test_a_change_of_models_on_reload_reads_every_list_at_once():
             await _stop_all(d, (a, b))
 
     asyncio.run(main())
+
+
+# -- the sidecar's one model name never narrows what an endpoint serves --------------------------
+
+@pytest.mark.parametrize("models, asked", [(["alias"], "alias"), (["base", "base-lora"], "base-lora")])
+def test_the_sidecars_model_name_does_not_narrow_the_configured_models(models, asked):
+    """vLLM's metrics carry its first served name only ("base"): an alias or a LoRA adapter in
+    ``models`` (listed by the endpoint's /v1/models) must still route."""
+    from daemon_fakes import FakeSidecar
+
+    async def main():
+        b = await FakeBackend("b0", models=("base", "alias", "base-lora")).start()
+        side = await FakeSidecar("b0").start()
+        side.set(models=["base"])
+        d = await start_daemon([], models=models,
+                               endpoints=[{"name": "b0", "url": b.url, "state_address": side.address}])
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            await poll_until(lambda: d.router.by_name["b0"].snapshot, lambda st: st is not None and st.models,
+                             10.0, "the sidecar's state received")
+            async with aiohttp.ClientSession() as s:
+                assert await _post(s, base, asked) == (200, "b0")
+                assert await _post(s, base, "base") == (200, "b0")
+        finally:
+            await d.stop()
+            await side.stop()
+            await b.stop()
+
+    asyncio.run(main())
+
+
+def test_without_a_list_the_sidecars_name_is_all_an_endpoint_serves_among_several():
+    """/v1/models unreadable (401) with several models: the sidecar's name is certainly served
+    (a lower bound), the configured adapter is not known to be: 503, sent nowhere."""
+    from daemon_fakes import FakeSidecar
+
+    async def main():
+        b = await FakeBackend("b0", models=("base", "base-lora")).start()
+        b.models_status = 401
+        side = await FakeSidecar("b0").start()
+        side.set(models=["base"])
+        d = await start_daemon([], models=["base", "base-lora"],
+                               endpoints=[{"name": "b0", "url": b.url, "state_address": side.address}])
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            await poll_until(lambda: d.router.by_name["b0"].snapshot, lambda st: st is not None and st.models,
+                             10.0, "the sidecar's state received")
+            async with aiohttp.ClientSession() as s:
+                assert await _post(s, base, "base") == (200, "b0")
+                assert (await _post(s, base, "base-lora"))[0] == 503
+            assert b.started == 1
+        finally:
+            await d.stop()
+            await side.stop()
+            await b.stop()
+
+    asyncio.run(main())

@@ -329,31 +329,34 @@ class Router:
         """Recompute which endpoint serves which model, after anything it depends on changed.
 
         An endpoint's list is its ``endpoints[].models`` if configured, else what its own
-        ``/v1/models`` listed, plus the names its sidecar reports. Several models are possible
-        when ``models`` names more than one, or (``models`` empty) when the known lists name
-        more than one or some endpoint's list is still unknown. Then an endpoint without a
-        known list serves nothing (fail closed: a request must never reach an endpoint that
-        may not serve its model). With one possible model, such an endpoint serves every
-        model (the single-model deployment, which needs no lists).
+        ``/v1/models`` listed. Its sidecar's names (vLLM's ``model_name`` label: the first
+        served name only, never an alias or a LoRA adapter) are no list: they never narrow
+        what it serves. Several models are possible when ``models`` names more than one, or
+        (``models`` empty) when the known lists and sidecar names name more than one, or some
+        endpoint's list is still unknown. Then an endpoint without a list serves only what its
+        sidecar names (which it certainly serves), nothing without a sidecar: fail closed, a
+        request must never reach an endpoint that may not serve its model. With one possible
+        model, an endpoint without a list serves every model (the single-model deployment,
+        which needs no lists; ``models: [alias]`` routes whatever name vLLM's metrics carry).
         """
         present = [ep for ep in self.endpoints if not ep.removed]
         lists: dict[str, frozenset[str] | None] = {}
+        sides: dict[str, frozenset[str]] = {}
+        names: set[str] = set()
         for ep in present:
             listed = ep.configured_models or ep.discovered_models
             s = ep.snapshot
             side = frozenset(s.models) if s is not None and s.models else frozenset()
-            lists[ep.name] = (listed | side) if listed is not None else (side or None)
-        names: set[str] = set()
-        for m in lists.values():
-            if m:
-                names |= m
+            lists[ep.name] = listed
+            sides[ep.name] = side
+            names |= side if listed is None else listed
         default = self.default_models
         if default:
             several = len(default) > 1
         else:
             several = len(names) > 1 or (bool(names) and any(m is None for m in lists.values()))
         if several:
-            lists = {k: (m if m is not None else frozenset()) for k, m in lists.items()}
+            lists = {k: (m if m is not None else sides[k]) for k, m in lists.items()}
         self._several = several
         self._lists = lists
         self._known = frozenset(names)
