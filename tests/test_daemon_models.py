@@ -323,3 +323,39 @@ def test_without_a_list_the_sidecars_name_is_all_an_endpoint_serves_among_severa
             await b.stop()
 
     asyncio.run(main())
+
+
+# -- gRPC Route without a model ---------------------------------------------------------------------
+
+def test_grpc_route_without_a_model_is_refused_among_several_and_defaults_to_the_only_one():
+    import grpc
+
+    from routerd.api.v1 import router_pb2, router_pb2_grpc
+
+    async def main():
+        a = await FakeBackend("a0", models=("model-a",)).start()
+        b = await FakeBackend("b0", models=("model-b",)).start()
+        d = await start_daemon([a, b], models=[])
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{d.grpc_port}") as ch:
+                stub = router_pb2_grpc.RouterServiceStub(ch)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Route(router_pb2.RouteRequest(request_id="r1", prompt_tokens=5))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert e.value.details() == ("model is required: this routerd serves several models "
+                                             "(model-a, model-b)")
+                ok = await stub.Route(router_pb2.RouteRequest(request_id="r2", model="model-b", prompt_tokens=5))
+                assert (ok.decision, ok.instance) == (router_pb2.RouteResponse.DISPATCH, "b0")
+                # One model left (a reload configures b0 to serve model-a too): it is the default.
+                assert await d.reload(_settings(d, endpoints=[{"name": "a0", "url": a.url},
+                                                               {"name": "b0", "url": b.url, "models": ["model-a"]}]))
+                await poll_until(d.model_names, lambda n: n == ["model-a"], 10.0, "model-a the only model")
+                got = [await stub.Route(router_pb2.RouteRequest(request_id=f"s{i}", prompt_tokens=5))
+                       for i in range(4)]
+                assert {g.instance for g in got} == {"a0", "b0"}
+                assert all(g.decision == router_pb2.RouteResponse.DISPATCH for g in got)
+                assert {d._grpc.servicer.inflight[f"s{i}"][0].model for i in range(4)} == {"model-a"}
+        finally:
+            await _stop_all(d, (a, b))
+
+    asyncio.run(main())

@@ -59,8 +59,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        if request.model and not d.model_allowed(request.model):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served")
+        model = request.model or None
+        if model is not None and not d.model_allowed(model):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served")
+        if model is None:
+            if router.several_models:
+                # Which endpoints may take it depends on its model: guessing one would misroute.
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required: this routerd serves "
+                                    f"several models ({', '.join(d.model_names())})")
+            names = d.model_names()
+            model = names[0] if names else None  # the one served model, or none known (any endpoint)
         booked = self.inflight.get(rid)
         if booked is not None:
             r = booked[0]
@@ -76,7 +84,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                     f"predicted_bucket {bucket} is outside 0..{n_buckets - 1}")
         else:
             bucket = await d.predict(request.prompt or None, tokens, request.task or None, request.max_tokens)
-        r = router.new_request(tokens, bucket, request.task or None, label=rid, model=request.model or None)
+        r = router.new_request(tokens, bucket, request.task or None, label=rid, model=model)
         first = self.held.get(rid)
         if first is not None:
             r.arrived_at = first

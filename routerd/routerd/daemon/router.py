@@ -362,8 +362,13 @@ class Router:
         self._known = frozenset(names)
         self._known_sorted = sorted(names)
 
+    @property
+    def several_models(self) -> bool:
+        """Whether more than one model is possible (see :meth:`_rebuild_models`): a request
+        must then name its model."""
+        return self._several
+
     def _several_models(self) -> bool:
-        """Whether more than one model is possible (see :meth:`_rebuild_models`)."""
         return self._several
 
     def known_models(self) -> list[str]:
