@@ -14,7 +14,11 @@ Target (issue #5): <= 100 microseconds per decision, round robin and dqn (here a
 seeded random network of the trained shape, 64 hidden units; the cost does not depend
 on the weights' values).
 
-Usage: python benchmarks/routerd_decision.py [--n 20000] [--load 32] [--instances 4]
+With ``--models K`` (K > 1) the instances are split round robin over K models (``endpoints[].models``)
+and the requests name them in turn: each decision then also looks up its model's precomputed
+endpoints and its own policy instance (issue #15, several models behind one routerd).
+
+Usage: python benchmarks/routerd_decision.py [--n 20000] [--load 32] [--instances 4] [--models 1]
 """
 
 from __future__ import annotations
@@ -52,12 +56,15 @@ def percentiles(ns: list[int]) -> tuple[float, float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99)), float(a.mean())
 
 
-async def measure(name: str, params: dict, m: int, n: int, load: int) -> None:
+async def measure(name: str, params: dict, m: int, n: int, load: int, models: int = 1) -> None:
     prof = get_profile("llama2-7b-v100")
     policy = build_routing_policy(PolicyConfig(name=name, params=params), prof, m)
     router = Router(profile=prof, policy=policy, policy_name=name, metrics=Metrics(), config=RouterConfig(),
                     state_max_age_s=2.0)
-    router.set_endpoints([DiscoveredEndpoint(f"e{i}", f"http://10.0.0.{i}:8000") for i in range(m)])
+    names = [f"model-{k}" for k in range(models)] if models > 1 else [None]
+    router.set_endpoints([DiscoveredEndpoint(f"e{i}", f"http://10.0.0.{i}:8000",
+                                             models=() if names[0] is None else (names[i % models],))
+                          for i in range(m)])
     rng = np.random.default_rng(1)
     for ep in router.endpoints:  # background load: decoding requests with progress
         for _ in range(load):
@@ -70,7 +77,8 @@ async def measure(name: str, params: dict, m: int, n: int, load: int) -> None:
     pick_ns: list[int] = []
     wall, cpu = time.perf_counter_ns, time.thread_time_ns
     for k in range(n):
-        r = router.new_request(int(rng.integers(50, 2000)), int(rng.integers(0, 4)))
+        model = names[k % len(names)]
+        r = router.new_request(int(rng.integers(50, 2000)), int(rng.integers(0, 4)), model=model)
         c, t = cpu(), wall()
         ep = router.try_dispatch_now(r)
         t, c = wall() - t, cpu() - c
@@ -81,13 +89,14 @@ async def measure(name: str, params: dict, m: int, n: int, load: int) -> None:
         for e in router.endpoints:
             e.refresh(time.monotonic(), 2.0)
         t = wall()
-        router.policy.pick(r.features, ClusterView(time.monotonic(), router.endpoints, 1))
+        router._policy_for(model).pick(r.features, ClusterView(time.monotonic(), router._eps_for(model), 1))
         pick_ns.append(wall() - t)
     d50, d99, _ = percentiles(decide_ns[n // 10:])
     c50, c99, _ = percentiles(decide_cpu_ns[n // 10:])
     p50, p99, _ = percentiles(pick_ns[n // 10:])
     print(f"{name:20s} decision wall p50 {d50:6.1f} p99 {d99:7.1f} | CPU p50 {c50:6.1f} p99 {c99:7.1f} | "
-          f"pick alone wall p50 {p50:6.1f} p99 {p99:7.1f}   (us; m={m}, {load} in flight per instance)")
+          f"pick alone wall p50 {p50:6.1f} p99 {p99:7.1f}   (us; m={m}, {load} in flight per instance, "
+          f"{models} model{'s' if models > 1 else ''})")
 
 
 def main() -> None:
@@ -95,11 +104,14 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--load", type=int, default=32, help="requests in flight per instance")
     ap.add_argument("--instances", type=int, default=4)
+    ap.add_argument("--models", type=int, default=1, help="models the instances are split over")
     a = ap.parse_args()
+    if not 1 <= a.models <= a.instances or a.instances % a.models:
+        ap.error(f"--models must divide --instances ({a.instances})")
     m = a.instances
-    for name, params in (("round_robin", {}), ("dqn", {"checkpoint": random_checkpoint(m), "allow_hold": False}),
+    for name, params in (("round_robin", {}), ("dqn", {"checkpoint": random_checkpoint(m // a.models), "allow_hold": False}),
                          ("late_binding", {}), ("join_shortest_queue", {})):
-        asyncio.run(measure(name, params, m, a.n, a.load))
+        asyncio.run(measure(name, params, m, a.n, a.load, a.models))
 
 
 if __name__ == "__main__":

@@ -359,3 +359,39 @@ def test_grpc_route_without_a_model_is_refused_among_several_and_defaults_to_the
             await _stop_all(d, (a, b))
 
     asyncio.run(main())
+
+
+# -- what serves which model is computed when it changes, not per request ----------------------------
+
+class _CountingList(list):
+    """A list that counts how often it is iterated (the endpoint table, scanned or not per request)."""
+
+    iterations = 0
+
+    def __iter__(self):
+        _CountingList.iterations += 1
+        return super().__iter__()
+
+
+def test_no_request_scans_the_endpoint_table_while_nothing_changes():
+    async def main():
+        a = [await FakeBackend(f"a{i}", models=("model-a",)).start() for i in range(2)]
+        b = [await FakeBackend(f"b{i}", models=("model-b",)).start() for i in range(2)]
+        d = await start_daemon([*a, *b], models=[], policy={"name": "round_robin"})
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                for m in ("model-a", "model-b"):  # warm the candidate caches
+                    assert (await _post(s, base, m))[0] == 200
+                d.router.endpoints = _CountingList(d.router.endpoints)
+                _CountingList.iterations = 0
+                got = [await _post(s, base, m) for m in ["model-a", "model-b"] * 5]
+                assert [st for st, _ in got] == [200] * 10
+                assert _CountingList.iterations == 0
+                assert d.router.several_models is True
+                assert {m: [ep.name for ep in eps] for m, eps in d.router._by_model.items()} == {
+                    "model-a": ["a0", "a1"], "model-b": ["b0", "b1"]}
+        finally:
+            await _stop_all(d, (*a, *b))
+
+    asyncio.run(main())

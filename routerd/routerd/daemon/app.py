@@ -421,10 +421,11 @@ class Daemon:
 
     def model_allowed(self, model: str) -> bool:
         """Whether requests for ``model`` are accepted (any model while none is known)."""
-        if self.settings.models:
-            return model in self.settings.models
-        names = self.model_names()
-        return not names or model in names
+        allowed = self.router.default_models  # the ``models`` setting, as a set
+        if allowed:
+            return model in allowed
+        known = self.router.known  # precomputed when endpoints or their lists change
+        return not known or model in known
 
     # -- per-request helpers -----------------------------------------------------
     @staticmethod

@@ -105,6 +105,10 @@ def build_routing_policy(cfg: "PolicyConfig", profile: "HardwareProfile", num_en
         raise ConfigError(f"policy: {e}") from None
 
 
+#: Candidate-cache key of the models no list names (see :meth:`Router._candidates`).
+_UNLISTED = object()
+
+
 def _no_endpoint(model: str | None) -> str:
     return "no ready endpoint" if model is None else f"no ready endpoint serves the model {model!r}"
 
@@ -157,7 +161,7 @@ class Router:
         self._fallback_warned_for: int | None = None
         """Ready-endpoint count for which the policy's own fallback was last logged."""
         self._idle_waiters: list[asyncio.Future] = []
-        self._cands: dict[str | None, tuple[list[EndpointState], float, float]] | None = None
+        self._cands: dict[Any, tuple[list[EndpointState], float, float]] | None = None
         """Per model: candidates without exclusions and the times between which they stay valid
         (see :meth:`_candidates`); None after anything they depend on changed."""
         self._model_policies: dict[str, RoutingPolicy] = {}
@@ -167,8 +171,12 @@ class Router:
         self.default_models: frozenset[str] = frozenset()
         """The top-level ``models`` setting (:meth:`set_default_models`)."""
         self._several = False
-        self._lists: dict[str, frozenset[str] | None] = {}
-        """Per endpoint name: the models it serves; None: every model (see :meth:`_rebuild_models`)."""
+        self._all: list[EndpointState] = []
+        """Present (not removed) endpoints, in index order."""
+        self._by_model: dict[str, list[EndpointState]] = {}
+        """Per model some list or ``models`` names: the present endpoints serving it."""
+        self._unlisted: list[EndpointState] = []
+        """The endpoints serving a model no list names: those without a list, with one model possible."""
         self._known: frozenset[str] = frozenset()
         self._known_sorted: list[str] = []
         self.failure_cooldown_s = 1.0
@@ -358,7 +366,10 @@ class Router:
         if several:
             lists = {k: (m if m is not None else sides[k]) for k, m in lists.items()}
         self._several = several
-        self._lists = lists
+        self._all = present
+        self._unlisted = [ep for ep in present if lists[ep.name] is None]
+        self._by_model = {m: [ep for ep in present if lists[ep.name] is None or m in lists[ep.name]]  # type: ignore[operator]
+                          for m in names | default}
         self._known = frozenset(names)
         self._known_sorted = sorted(names)
 
@@ -375,15 +386,12 @@ class Router:
         """Every model some present endpoint is known to serve, sorted."""
         return list(self._known_sorted)
 
-    def _serving(self, eps: list[EndpointState], model: str) -> list[EndpointState]:
-        """The endpoints of ``eps`` that serve ``model`` (see :meth:`_rebuild_models`)."""
-        lists = self._lists
-        out = []
-        for ep in eps:
-            m = lists.get(ep.name, frozenset())
-            if m is None or model in m:
-                out.append(ep)
-        return out
+    def _eps_for(self, model: str | None) -> list[EndpointState]:
+        """The present endpoints that serve ``model`` (None: every one), precomputed by
+        :meth:`_rebuild_models`; callers must not modify the list."""
+        if model is None:
+            return self._all
+        return self._by_model.get(model, self._unlisted)
 
     # -- queries -----------------------------------------------------------------
     @property
@@ -398,8 +406,15 @@ class Router:
 
     def has_candidate(self, exclude: frozenset[str] | set[str] = frozenset(), model: str | None = None) -> bool:
         """True if some ready endpoint not in ``exclude`` serves ``model`` (None: any)."""
-        eps = [ep for ep in self.endpoints if ep.ready and ep.name not in exclude]
-        return bool(eps if model is None else self._serving(eps, model))
+        for ep in self._eps_for(model):
+            if ep.ready and ep.name not in exclude:
+                return True
+        return False
+
+    @property
+    def known(self) -> frozenset[str]:
+        """Every model some present endpoint is known to serve (precomputed)."""
+        return self._known
 
     # -- requests ----------------------------------------------------------------
     def new_request(self, prompt_tokens: int, predicted_bucket: int | None, task: str | None = None,
@@ -593,13 +608,14 @@ class Router:
         changes, or the earliest cooldown ends: it is rebuilt at most that often instead
         of at every decision. Callers must not modify it.
         """
+        # Keyed by the endpoint list, not the raw name: with no lists known any model name is
+        # accepted, and a cache per client-chosen name would grow without bound.
+        key = model if model is None or model in self._by_model else _UNLISTED
         if not exclude and self._cands is not None:
-            c = self._cands.get(model)
+            c = self._cands.get(key)
             if c is not None and c[1] <= now < c[2]:
                 return c[0]
-        ready = [ep for ep in self.endpoints if ep.ready and ep.name not in exclude]
-        if model is not None:
-            ready = self._serving(ready, model)
+        ready = [ep for ep in self._eps_for(model) if ep.ready and ep.name not in exclude]
         # Every ready endpoint cooling down or ejected: try them anyway (the ejection cap keeps
         # this rare); a request is better sent than refused.
         cands = [ep for ep in ready if ep.down_until <= now and ep.ejected_until <= now] or ready
@@ -608,7 +624,7 @@ class Router:
                         default=float("inf"))
             if self._cands is None:
                 self._cands = {}
-            self._cands[model] = (cands, now, until)
+            self._cands[key] = (cands, now, until)
         return cands
 
     def _round_robin(self, cands: list[EndpointState]) -> EndpointState:
