@@ -395,3 +395,44 @@ def test_no_request_scans_the_endpoint_table_while_nothing_changes():
             await _stop_all(d, (*a, *b))
 
     asyncio.run(main())
+
+
+# -- a request held for one model does not block another's ------------------------------------------
+
+def _router(policy: str, eps):
+    from routerd.daemon.config import PolicyConfig, RouterConfig
+    from routerd.daemon.discovery import DiscoveredEndpoint
+    from routerd.daemon.metrics import Metrics
+    from routerd.daemon.router import Router, build_routing_policy
+    from routerd.profiles import get_profile
+
+    prof = get_profile("llama2-7b-v100")
+    router = Router(profile=prof, policy=build_routing_policy(PolicyConfig(name=policy), prof, len(eps)),
+                    policy_name=policy, metrics=Metrics(), config=RouterConfig(tie_break_seed=1), state_max_age_s=2.0)
+    router.set_endpoints([DiscoveredEndpoint(n, f"http://10.0.0.{i}:8000", models=ms) for i, (n, ms) in enumerate(eps)])
+    return router, prof
+
+
+def test_a_held_request_of_one_model_does_not_block_another_model():
+    async def main():
+        router, prof = _router("late_binding", [("a0", ("model-a",)), ("b0", ("model-b",))])
+        a0 = router.by_name["a0"]
+        for _ in range(prof.max_num_seqs):  # a0 full: late_binding holds model-a's requests
+            a0.add(router.new_request(10, 0, model="model-a"), 0.0)
+        held = asyncio.ensure_future(router.dispatch(router.new_request(10, 0, model="model-a")))
+        await asyncio.sleep(0)
+        assert not held.done() and len(router.queue) == 1
+        # HTTP (queued) and gRPC (decided at once) requests for model-b are not behind it.
+        ep = await asyncio.wait_for(router.dispatch(router.new_request(10, 0, model="model-b")), 5.0)
+        assert ep.name == "b0"
+        ep = router.try_dispatch_now(router.new_request(10, 0, model="model-b"))
+        assert ep is not None and ep.name == "b0"
+        # ...while a gRPC request for model-a still waits its turn behind the held one (FIFO per model).
+        assert router.try_dispatch_now(router.new_request(10, 0, model="model-a")) is None
+        assert not held.done() and len(router.queue) == 1
+        router.finish(next(iter(a0.requests.values())))  # room on a0: the held one goes
+        assert (await asyncio.wait_for(held, 5.0)).name == "a0"
+        assert len(router.queue) == 0
+        router.close()
+
+    asyncio.run(main())

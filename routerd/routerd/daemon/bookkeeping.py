@@ -39,7 +39,8 @@ class Inflight:
 
     __slots__ = ("rid", "label", "prompt_tokens", "predicted_bucket", "predicted_output", "load_bin",
                  "exact", "generated", "first_token", "endpoint", "dispatched_at", "arrived_at", "group", "done",
-                 "features", "exclude", "enqueued_at", "waiter", "error", "fallback", "blind", "model")
+                 "features", "exclude", "enqueued_at", "waiter", "error", "fallback", "blind", "model", "seq",
+                 "policy")
 
     def __init__(self, rid: int, label: Any, prompt_tokens: int, predicted_bucket: int | None,
                  predicted_output: float, arrived_at: float) -> None:
@@ -68,6 +69,10 @@ class Inflight:
         (vLLM's prefill is short next to the decode; see :meth:`RequestBook.residents`)."""
         self.model: str | None = None
         """The model the request names; None: any endpoint may take it."""
+        self.seq = 0
+        """Order in the router queue across models (set when queued; lower is older)."""
+        self.policy: Any = None
+        """The policy instance that placed it (its model's), told of its completion."""
         # Router-queue fields (set by the router).
         self.features: Any = None
         self.exclude: Any = frozenset()

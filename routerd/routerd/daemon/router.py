@@ -105,6 +105,93 @@ def build_routing_policy(cfg: "PolicyConfig", profile: "HardwareProfile", num_en
         raise ConfigError(f"policy: {e}") from None
 
 
+class RouterQueue:
+    """The router queue: one FIFO per model (one in all while a single model is possible).
+
+    Requests of one model are decided in arrival order; the heads of different models are
+    offered oldest first, and a head the policy holds (or that waits for an endpoint) holds
+    only its own model's requests. ``len`` counts every queued request (the ``queue_limit``
+    and ``phasewise_router_queue_depth`` are over all models).
+    """
+
+    __slots__ = ("by_key", "n", "_seq")
+
+    def __init__(self) -> None:
+        self.by_key: dict[Any, deque[Inflight]] = {}
+        self.n = 0
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __bool__(self) -> bool:
+        return self.n > 0
+
+    def __iter__(self):
+        """Every queued request, oldest first (retries, queued at a front, count as oldest)."""
+        return iter(sorted((r for q in self.by_key.values() for r in q), key=lambda r: r.seq))
+
+    def push(self, r: Inflight, key: Any, front: bool = False) -> None:
+        """Queue ``r`` under ``key``, at the back (or the front: a retry keeps its turn)."""
+        self._seq += 1
+        q = self.by_key.get(key)
+        if q is None:
+            q = self.by_key[key] = deque()
+        if front:
+            r.seq = -self._seq
+            q.appendleft(r)
+        else:
+            r.seq = self._seq
+            q.append(r)
+        self.n += 1
+
+    def head(self, key: Any) -> Inflight | None:
+        q = self.by_key.get(key)
+        return q[0] if q else None
+
+    def pop_head(self, key: Any) -> Inflight:
+        q = self.by_key[key]
+        r = q.popleft()
+        self.n -= 1
+        if not q:
+            del self.by_key[key]
+        return r
+
+    def remove(self, r: Inflight) -> bool:
+        """Take ``r`` out wherever it is queued; False when it is not."""
+        for key, q in self.by_key.items():
+            try:
+                q.remove(r)
+            except ValueError:
+                continue
+            self.n -= 1
+            if not q:
+                del self.by_key[key]
+            return True
+        return False
+
+    def oldest_key(self, skip: set | None) -> Any:
+        """The key whose head came first, among keys not in ``skip``; :data:`_NO_KEY` if none."""
+        best, best_seq = _NO_KEY, 0
+        for key, q in self.by_key.items():
+            if skip is not None and key in skip:
+                continue
+            seq = q[0].seq
+            if best is _NO_KEY or seq < best_seq:
+                best, best_seq = key, seq
+        return best
+
+    def take_all(self) -> list[Inflight]:
+        """Every queued request, oldest first, leaving the queue empty."""
+        out = list(self)
+        self.by_key.clear()
+        self.n = 0
+        return out
+
+
+#: :meth:`RouterQueue.oldest_key`'s "no key".
+_NO_KEY = object()
+
 #: Candidate-cache key of the models no list names (see :meth:`Router._candidates`).
 _UNLISTED = object()
 
@@ -149,14 +236,16 @@ class Router:
         self._mids = [bucket_mid_tokens(b, self.bucket_edges) for b in range(len(self.bucket_edges) + 1)]
         self.endpoints: list[EndpointState] = []
         self.by_name: dict[str, EndpointState] = {}
-        self.queue: deque[Inflight] = deque()
+        self.queue = RouterQueue()
         self.decisions: deque[tuple] = deque(maxlen=config.decisions_kept)
         self.fallbacks_total = 0
         self.draining = False
         self._next_id = 0
-        self._rr = -1
+        self._rr: dict[Any, int] = {}
+        """Per queue key (model): the fallback round robin's last position."""
         self._tick: asyncio.TimerHandle | None = None
-        self._idle_hold_since: float | None = None
+        self._idle_hold_since: dict[Any, float] = {}
+        """Per queue key (model): since when the policy holds while every candidate is idle."""
         self._policy_fallbacks = getattr(policy, "fallbacks", None)
         self._fallback_warned_for: int | None = None
         """Ready-endpoint count for which the policy's own fallback was last logged."""
@@ -223,7 +312,7 @@ class Router:
         self._model_policies = {}
         self._fallbacks_seen = {}
         self._fallback_warned_for = None
-        self._idle_hold_since = None
+        self._idle_hold_since = {}
         self._decide()
 
     def set_endpoints(self, discovered: Sequence[DiscoveredEndpoint]) -> None:
@@ -365,6 +454,11 @@ class Router:
             several = len(names) > 1 or (bool(names) and any(m is None for m in lists.values()))
         if several:
             lists = {k: (m if m is not None else sides[k]) for k, m in lists.items()}
+        if several != self._several and self.queue:
+            # Queued requests move to the queues of the new mode (per model, or one), in order.
+            queued = self.queue.take_all()
+            for r in queued:
+                self.queue.push(r, r.model if several else None)
         self._several = several
         self._all = present
         self._unlisted = [ep for ep in present if lists[ep.name] is None]
@@ -451,10 +545,7 @@ class Router:
         r.enqueued_at = self.clock()
         r.waiter = None
         r.error = None
-        if exclude:
-            q.appendleft(r)
-        else:
-            q.append(r)
+        q.push(r, self._key(r.model), front=bool(exclude))
         # An arrival is a decision point even when it is not the head (the simulator's rule):
         # the held head may fit now.
         self._decide()
@@ -467,10 +558,7 @@ class Router:
             await fut
         except asyncio.CancelledError:
             if r.endpoint is None:
-                try:
-                    q.remove(r)
-                except ValueError:
-                    pass
+                q.remove(r)
                 self._maybe_idle()
             else:
                 self.finish(r)
@@ -483,7 +571,7 @@ class Router:
         """Decide on ``r`` at once without queueing it (the gRPC ``Route``); None = hold.
 
         A request asks again after a hold; FIFO fairness is kept by holding it while HTTP
-        requests wait in the queue.
+        requests for its model wait in the queue (another model's do not hold it).
 
         Raises:
             NoEndpointError, DrainingError.
@@ -492,16 +580,17 @@ class Router:
             raise DrainingError("routerd is shutting down")
         if not self.has_candidate(model=r.model):
             raise NoEndpointError(_no_endpoint(r.model))
-        if self.queue:
+        key = self._key(r.model)
+        if self.queue.head(key) is not None:
             return None
         r.exclude = frozenset()
         r.enqueued_at = r.arrived_at
-        self.queue.append(r)
+        self.queue.push(r, key)
         try:
-            self._decide(single=True)
+            self._decide(only=key)
         finally:
-            if self.queue and self.queue[0] is r:
-                self.queue.popleft()
+            if self.queue.head(key) is r:
+                self.queue.pop_head(key)
         if r.error is not None:
             raise r.error
         return r.endpoint
@@ -521,7 +610,8 @@ class Router:
             if ep.removed:
                 self._drop_removed()
         try:
-            self._policy_for(r.model).on_complete(ep.index, r.rid, now)
+            # The policy that placed it (the model's own), even if the mode changed since.
+            (r.policy if r.policy is not None else self.policy).on_complete(ep.index, r.rid, now)
         except Exception:  # noqa: BLE001 - a policy bug must not leak the request's bookkeeping
             log.exception("policy %s: on_complete failed", self.policy_name)
         if self.queue:
@@ -594,7 +684,7 @@ class Router:
     def _policy_for(self, model: str | None) -> RoutingPolicy:
         """The policy deciding ``model``'s requests: a copy per model, so that state a policy
         keeps (a round-robin position, a learned router's history) is that model's alone."""
-        if model is None or not self._several_models():
+        if model is None or not self._several:
             return self.policy  # one model served: one policy, as before
         p = self._model_policies.get(model)
         if p is None:
@@ -627,29 +717,52 @@ class Router:
             self._cands[key] = (cands, now, until)
         return cands
 
-    def _round_robin(self, cands: list[EndpointState]) -> EndpointState:
-        self._rr = (self._rr + 1) % len(cands)
-        return cands[self._rr]
+    def _key(self, model: str | None) -> Any:
+        """The queue key (and per-model state key) of a request for ``model``: the model while
+        several are possible, else None (one FIFO, one policy, as with one model)."""
+        return model if self._several else None
 
-    def _decide(self, single: bool = False) -> None:
-        """Offer queue heads to the policy until it holds or the queue empties."""
+    def _round_robin(self, cands: list[EndpointState], key: Any = None) -> EndpointState:
+        i = (self._rr.get(key, -1) + 1) % len(cands)
+        self._rr[key] = i
+        return cands[i]
+
+    def _decide(self, only: Any = _NO_KEY) -> None:
+        """Offer queue heads to the policy, oldest first, until each model's head is held (or
+        waits for an endpoint) or the queue empties. ``only``: decide once on that key's head
+        (:meth:`try_dispatch_now`), without scheduling a tick."""
         q = self.queue
         metrics = self.metrics
+        blocked: set | None = None
         while q:
-            r = q[0]
+            if only is not _NO_KEY:
+                key = only
+                if q.head(key) is None:
+                    return
+            else:
+                key = q.oldest_key(blocked)
+                if key is _NO_KEY:
+                    break
+            r = q.head(key)
+            assert r is not None
             w = r.waiter
             if w is not None and w.done():  # the client went away while queued
-                q.popleft()
+                q.pop_head(key)
                 continue
             now = self.clock()
             cands = self._candidates(r.exclude, now, r.model)
             if not cands:
                 if self.no_endpoint_grace_s <= 0.0 or now - r.enqueued_at >= self.no_endpoint_grace_s:
-                    q.popleft()
+                    q.pop_head(key)
                     self._reject(r, NoEndpointError(_no_endpoint(r.model)))
                     continue
-                break
-            policy = self._policy_for(r.model)
+                if only is not _NO_KEY:
+                    return
+                # This model waits for an endpoint; the others' heads may go.
+                blocked = blocked or set()
+                blocked.add(key)
+                continue
+            policy = self._policy_for(key)
             max_age = self.state_max_age_s
             all_stale = True
             for ep in cands:
@@ -657,7 +770,7 @@ class Router:
                     all_stale = False
             reason = None
             if all_stale:
-                ep = self._round_robin(cands)
+                ep = self._round_robin(cands, key)
                 reason = "stale_state"
             else:
                 t0 = time.perf_counter()
@@ -668,16 +781,21 @@ class Router:
                     seen = cands[:]
                     self._rng.shuffle(seen)  # type: ignore[union-attr]  # set by configure
                 try:
-                    choice = policy.pick(r.features, ClusterView(now, seen, len(q)))
+                    # The queue length this model's policy sees is its own model's.
+                    choice = policy.pick(r.features, ClusterView(now, seen, len(q.by_key[key])))
                 except Exception:  # noqa: BLE001 - fail open, never fail the request
                     log.exception("policy %s failed; routing round robin", self.policy_name)
                     choice = -1
                 metrics.decision_time.observe(time.perf_counter() - t0)
                 if choice is None:
-                    if self._hold_allowed(cands, now):
+                    if self._hold_allowed(cands, now, key):
                         metrics.holds.inc()
-                        break
-                    ep = self._round_robin(cands)
+                        if only is not _NO_KEY:
+                            return
+                        blocked = blocked or set()
+                        blocked.add(key)
+                        continue
+                    ep = self._round_robin(cands, key)
                     reason = "hold_idle"
                 else:
                     if type(choice) is not int:
@@ -687,13 +805,13 @@ class Router:
                         if choice != -1:
                             log.warning("policy %s returned %r, not a candidate; routing round robin",
                                         self.policy_name, choice)
-                        ep = self._round_robin(cands)
+                        ep = self._round_robin(cands, key)
                         reason = "policy_error" if choice == -1 else "invalid_choice"
                     elif self._policy_fallbacks is not None:
                         fb = policy.fallbacks  # type: ignore[attr-defined]
-                        seen_fb = self._fallbacks_seen.get(r.model, self._policy_fallbacks)
+                        seen_fb = self._fallbacks_seen.get(key, self._policy_fallbacks)
                         if fb != seen_fb:
-                            self._fallbacks_seen[r.model] = fb
+                            self._fallbacks_seen[key] = fb
                             reason = "policy_fallback"
                             if self._fallback_warned_for != len(cands):
                                 # Once per cluster size: the counter says how often.
@@ -702,24 +820,24 @@ class Router:
                                             "round robin while the sizes differ (counted in "
                                             "phasewise_fallbacks_total{reason=\"policy_fallback\"})",
                                             self.policy_name, policy.ctx.num_instances, len(cands))
-            q.popleft()
-            self._idle_hold_since = None
+            q.pop_head(key)
+            self._idle_hold_since.pop(key, None)
+            r.policy = policy
             self._assign(r, ep, now, reason)
-            if single:
+            if only is not _NO_KEY:
                 return
-        if single:
+        if only is not _NO_KEY:
             return
         if q and self._tick is None:
             self._tick = asyncio.get_running_loop().call_later(self.action_interval_s, self._on_tick)
 
-    def _hold_allowed(self, cands: list[EndpointState], now: float) -> bool:
+    def _hold_allowed(self, cands: list[EndpointState], now: float, key: Any = None) -> bool:
         for ep in cands:
             if ep.requests or ep.num_running or ep.num_waiting:
-                self._idle_hold_since = None
+                self._idle_hold_since.pop(key, None)
                 return True
-        if self._idle_hold_since is None:
-            self._idle_hold_since = now
-        return now - self._idle_hold_since < self.hold_idle_limit_s
+        since = self._idle_hold_since.setdefault(key, now)
+        return now - since < self.hold_idle_limit_s
 
     def _on_tick(self) -> None:
         self._tick = None
@@ -779,8 +897,8 @@ class Router:
     def reject_queued(self, err: RejectedError) -> int:
         """Answer every queued request with ``err`` (drain timeout); returns how many."""
         n = 0
-        while self.queue:
-            self._reject(self.queue.popleft(), err)
+        for r in self.queue.take_all():
+            self._reject(r, err)
             n += 1
         return n
 
