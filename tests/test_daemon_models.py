@@ -436,3 +436,46 @@ def test_a_held_request_of_one_model_does_not_block_another_model():
         router.close()
 
     asyncio.run(main())
+
+
+# -- each model's policy is built fresh from the registry ---------------------------------------------
+
+def test_each_models_policy_is_built_fresh_with_its_own_count_and_seed():
+    import hashlib
+
+    from routerd.policies.base import ClusterView
+
+    def seed_of(model: str) -> int:  # independent of routerd's code: blake2b-32 of "0\0<model>"
+        return int.from_bytes(hashlib.blake2b(f"0\0{model}".encode(), digest_size=4).digest(), "big")
+
+    async def main():
+        eps = [(f"a{i}", ("model-a",)) for i in range(3)] + [(f"b{i}", ("model-b",)) for i in range(2)]
+        router, _ = _router("round_robin", eps)
+        # The base policy has moved on (as a live one would have); a copy of it would start at a1.
+        router.policy.pick(None, ClusterView(0.0, router.endpoints, 1))
+        got = []
+        for m in ["model-a", "model-b"] * 3:
+            r = router.new_request(10, 0, model=m)
+            got.append(router.try_dispatch_now(r).name)
+            router.finish(r)
+        assert got == ["a0", "b0", "a1", "b1", "a2", "b0"]
+        pa, pb = router._policy_for("model-a"), router._policy_for("model-b")
+        assert pa is not router.policy and pb is not pa
+        assert (pa.ctx.num_instances, pb.ctx.num_instances) == (3, 2)
+        assert (pa.ctx.seed, pb.ctx.seed) == (seed_of("model-a"), seed_of("model-b"))
+        router.close()
+        # Seeded per model: a random policy picks the same sequence in every run.
+        seqs = []
+        for _ in range(2):
+            router, _ = _router("random", eps)
+            seq = []
+            for _ in range(8):
+                r = router.new_request(10, 0, model="model-a")
+                seq.append(router.try_dispatch_now(r).name)
+                router.finish(r)
+            seqs.append(seq)
+            assert router._policy_for("model-a").ctx.seed == seed_of("model-a")
+            router.close()
+        assert seqs[0] == seqs[1] and set(seqs[0]) <= {"a0", "a1", "a2"} and len(set(seqs[0])) > 1
+
+    asyncio.run(main())

@@ -18,7 +18,7 @@ draining.
 from __future__ import annotations
 
 import asyncio
-import copy
+import hashlib
 import logging
 import operator
 import os
@@ -77,8 +77,9 @@ class CheckpointConfigError(ConfigError):
 
 
 def build_routing_policy(cfg: "PolicyConfig", profile: "HardwareProfile", num_endpoints: int,
-                         bucket_edges: tuple[int, ...] = PREDICTOR_BUCKET_EDGES) -> RoutingPolicy:
-    """The policy named in ``cfg`` for a cluster of ``num_endpoints`` instances.
+                         bucket_edges: tuple[int, ...] = PREDICTOR_BUCKET_EDGES, *, seed: int = 0) -> RoutingPolicy:
+    """The policy named in ``cfg`` for a cluster of ``num_endpoints`` instances, its random
+    choices seeded by ``seed`` (``PolicyContext.seed``).
 
     A ``dqn`` policy is built for its checkpoint's instance count whatever the current
     count: while the live count differs it routes round robin itself (counted in its
@@ -98,7 +99,7 @@ def build_routing_policy(cfg: "PolicyConfig", profile: "HardwareProfile", num_en
             n = load_checkpoint(str(cfg.params.get("checkpoint", DEFAULT_CHECKPOINT))).num_instances
         except CheckpointError as e:
             raise CheckpointConfigError(f"policy: dqn: {e}") from None
-    ctx = PolicyContext(profile=profile, num_instances=n, bucket_edges=tuple(bucket_edges))
+    ctx = PolicyContext(profile=profile, num_instances=n, seed=seed, bucket_edges=tuple(bucket_edges))
     try:
         return build_policy(cfg.name, dict(cfg.params), ctx)
     except PolicyError as e:
@@ -192,6 +193,24 @@ class RouterQueue:
 #: :meth:`RouterQueue.oldest_key`'s "no key".
 _NO_KEY = object()
 
+def model_seed(base_seed: int, model: str) -> int:
+    """The policy seed of ``model``'s own policy: the first 4 bytes (big-endian) of the
+    BLAKE2b digest of ``"<base_seed>\0<model>"``. Deterministic across processes and runs
+    (unlike ``hash``), and different per model, so two models' random policies do not pick in
+    lockstep."""
+    return int.from_bytes(hashlib.blake2b(f"{base_seed}\0{model}".encode(), digest_size=4).digest(), "big")
+
+
+class _PolicySpec:
+    """A policy's registry name and parameters, as :func:`build_routing_policy` reads them."""
+
+    __slots__ = ("name", "params")
+
+    def __init__(self, name: str, params: dict[str, Any]) -> None:
+        self.name = name
+        self.params = params
+
+
 #: Candidate-cache key of the models no list names (see :meth:`Router._candidates`).
 _UNLISTED = object()
 
@@ -254,8 +273,7 @@ class Router:
         """Per model: candidates without exclusions and the times between which they stay valid
         (see :meth:`_candidates`); None after anything they depend on changed."""
         self._model_policies: dict[str, RoutingPolicy] = {}
-        """One copy of the policy per model (its own round-robin position, history): a model's
-        requests are decided among that model's endpoints only."""
+        """One policy per model while several are possible (:meth:`_build_model_policy`)."""
         self._fallbacks_seen: dict[str | None, Any] = {}
         self.default_models: frozenset[str] = frozenset()
         """The top-level ``models`` setting (:meth:`set_default_models`)."""
@@ -682,14 +700,36 @@ class Router:
 
     # -- the decision loop -------------------------------------------------------
     def _policy_for(self, model: str | None) -> RoutingPolicy:
-        """The policy deciding ``model``'s requests: a copy per model, so that state a policy
-        keeps (a round-robin position, a learned router's history) is that model's alone."""
+        """The policy deciding ``model``'s requests: while several models are possible, one per
+        model, so that state a policy keeps (a round-robin position, a predictor's history, a
+        prefix index) is that model's alone; else the one policy, as before."""
         if model is None or not self._several:
-            return self.policy  # one model served: one policy, as before
+            return self.policy
         p = self._model_policies.get(model)
         if p is None:
-            p = self._model_policies[model] = copy.deepcopy(self.policy)
+            p = self._model_policies[model] = self._build_model_policy(model)
+            self._fallbacks_seen[model] = getattr(p, "fallbacks", None)
         return p
+
+    def _build_model_policy(self, model: str) -> RoutingPolicy:
+        """A fresh policy for ``model`` from the registry: the live policy's name and parameters,
+        built for the model's endpoint count, seeded by :func:`model_seed` of the live policy's
+        seed. Fresh, not a copy of the live one, so that no other model's history leaks in.
+        Built at the model's first decision; the count is not updated when endpoints come and
+        go (as the live policy's is not: a ``dqn`` routes round robin while the sizes differ).
+        A build that fails (it did not for the live policy) logs why and routes round robin."""
+        base = self.policy
+        n = len(self._eps_for(model))
+        seed = model_seed(getattr(base.ctx, "seed", 0), model)
+        edges = tuple(getattr(base.ctx, "bucket_edges", self.bucket_edges))
+        try:
+            return build_routing_policy(_PolicySpec(base.name, base.params.model_dump()), self.profile, n, edges,
+                                        seed=seed)  # type: ignore[arg-type]
+        except Exception as e:  # noqa: BLE001 - a model without its policy still routes
+            log.error("policy %s for model %r cannot be built (%s); routing it round robin", self.policy_name,
+                      model, e)
+            return build_routing_policy(_PolicySpec("round_robin", {}), self.profile, n, edges,
+                                        seed=seed)  # type: ignore[arg-type]
 
     def _candidates(self, exclude, now: float, model: str | None = None) -> list[EndpointState]:
         """Ready endpoints not in ``exclude`` and not cooling down (all ready ones if every one is).
