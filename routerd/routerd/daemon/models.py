@@ -117,6 +117,8 @@ class ModelLister:
     async def refresh(self, names: set[str] | None = None) -> None:
         """Read the lists of ``names`` (None: every endpoint) concurrently and report them."""
         targets = [(n, u) for n, u in self.endpoints() if names is None or n in names]
+        # Read now: a poke still pending for them (e.g. made when they joined) is answered too.
+        self._poked.difference_update(n for n, _ in targets)
         results = await asyncio.gather(*(self.fetch(n, u) for n, u in targets))
         for (n, _), ids in zip(targets, results):
             if ids is not UNREACHABLE:
