@@ -151,8 +151,11 @@ class EndpointConfig(_Model):
     state_address: str | None = None
     """``host:port`` of the instance's state sidecar, or None (routerd's own bookkeeping only)."""
     models: list[str] = Field(default_factory=list)
-    """Models it serves. Empty: learned from its ``/v1/models`` (vLLM lists the base model and
-    its loaded LoRA adapters), refreshed every ``model_refresh_s`` and after a 404 from it."""
+    """Models it serves; replaces what its ``/v1/models`` lists. Empty: learned from its
+    ``/v1/models`` (vLLM lists its served names and loaded LoRA adapters), refreshed every
+    ``model_refresh_s``, after a 404 from it, and on a reload that changes models; while
+    several models are possible and that list is unknown or unreadable (401/403), the
+    endpoint serves nothing (fail closed)."""
 
     @field_validator("url")
     @classmethod
@@ -320,9 +323,10 @@ class Settings(_Model):
     """The OpenAI-compatible HTTP front, ``/metrics``, ``/healthz`` and ``/readyz``."""
     grpc: GrpcConfig = Field(default_factory=GrpcConfig)
     models: list[str] = Field(default_factory=list)
-    """Served model names, checked before dispatch. Empty: the union of what the endpoints serve
-    (``endpoints[].models``, their ``/v1/models``, their sidecars' reports), or any model at all
-    while none is known."""
+    """Served model names, checked before dispatch (404 for any other). Empty: the union of what
+    the endpoints serve (``endpoints[].models``, their ``/v1/models``, their sidecars' reports),
+    or any model at all while none is known. One name and no lists: every endpoint serves it
+    (no ``/v1/models`` is read)."""
     endpoints: list[EndpointConfig] = Field(default_factory=list)
     """Static instances (in addition to Kubernetes discovery, if enabled)."""
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
