@@ -42,7 +42,8 @@ import aiohttp
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from routerd_replicas import PROFILE, free_port, start, stop, wait_http  # noqa: E402
+from emulated_pool import (MODEL, PROFILE, endpoint_flags, free_port, start_instances, stop,  # noqa: E402
+                           stream_once, wait_http)
 
 
 class BadBackend:
@@ -62,7 +63,7 @@ class BadBackend:
         return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "llama-2-7b", "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def start(self) -> None:
         app = web.Application()
@@ -91,15 +92,11 @@ async def _scrape(session: aiohttp.ClientSession, port: int) -> str:
 
 async def _client(session, url, work, ok: list[float], failed: list[int]) -> None:
     for chars, tokens in work:
-        body = {"model": "llama-2-7b", "prompt": "x " * (chars // 2), "max_tokens": tokens, "stream": True}
-        t0 = time.perf_counter()
-        async with session.post(url + "/v1/completions", json=body) as r:
-            async for _ in r.content.iter_any():
-                pass
-        if r.status == 200:
-            ok.append(time.perf_counter() - t0)
+        status, took = await stream_once(session, url, chars, tokens)
+        if status == 200:
+            ok.append(took)
         else:
-            failed.append(r.status)
+            failed.append(status)
 
 
 async def _run(port: int, work, bad: BadBackend | None) -> dict:
@@ -153,18 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(a.seed)
     work = [[(rng.randint(200, 2000), max(8, int(rng.expovariate(1 / a.tokens)))) for _ in range(a.requests)]
             for _ in range(a.clients)]
-    procs, inst = [], []
+    procs: list = []
     loop = asyncio.new_event_loop()
     try:
-        for i in range(a.instances):
-            hp, sp = free_port(), free_port()
-            procs.append(start(["emulate", "--host", "127.0.0.1", "--port", str(hp), "--profile", PROFILE,
-                                "--seed", str(i)]))
-            url = f"http://127.0.0.1:{hp}"
-            wait_http(url + "/health")
-            procs.append(start(["sidecar", "--metrics-url", url + "/metrics", "--listen", f"127.0.0.1:{sp}",
-                                "--instance", f"vllm-{i}", "--endpoint", url]))
-            inst.append((f"vllm-{i}", url, f"127.0.0.1:{sp}"))
+        inst = start_instances(a.instances, procs)
         print(f"{a.instances} emulators ({PROFILE}) with sidecars + 1 bad backend; {a.clients} closed-loop "
               f"clients x {a.requests} requests (same requests every run, seed {a.seed}); "
               f"response_timeout_s {a.timeout_s}")
@@ -177,14 +166,14 @@ def main(argv: list[str] | None = None) -> int:
                     bad = BadBackend(kind) if label == "bad" else None
                     if bad is not None:
                         loop.run_until_complete(bad.start())
-                    eps = [x for name, url, state in inst for x in ("--endpoint", f"{name}={url},{state}")]
+                    eps = endpoint_flags(inst)
                     if bad is not None:
                         eps += ["--endpoint", f"bad=http://127.0.0.1:{bad.port}"]
                     port = free_port()
                     env = {**os.environ, "PHASEWISE_UPSTREAM__RESPONSE_TIMEOUT_S": str(a.timeout_s)}
                     p = subprocess.Popen([sys.executable, "-m", "routerd", "serve", "--host", "127.0.0.1",
                                           "--port", str(port), "--no-grpc", "--policy", policy, "--profile",
-                                          PROFILE, "--model", "llama-2-7b", "--log-level", "error", *eps],
+                                          PROFILE, "--model", MODEL, "--log-level", "error", *eps],
                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                          start_new_session=True)
                     try:

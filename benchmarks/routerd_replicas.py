@@ -24,13 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -38,43 +34,9 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-PROFILE = "llama2-7b-v100"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout_s: float = 60.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer 200 within {timeout_s} s")
-
-
-def start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "routerd", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from emulated_pool import (MODEL, PROFILE, endpoint_flags, free_port, start, start_instances,  # noqa: E402
+                           stop, stream_once, wait_http)
 
 
 def decisions(port: int) -> dict[str, float]:
@@ -88,14 +50,10 @@ def decisions(port: int) -> dict[str, float]:
 
 async def client(session, url: str, work: list[tuple[int, int]], e2e: list[float]) -> None:
     for chars, tokens in work:
-        body = {"model": "llama-2-7b", "prompt": "x " * (chars // 2), "max_tokens": tokens, "stream": True}
-        t0 = time.perf_counter()
-        async with session.post(url + "/v1/completions", json=body) as r:
-            async for _ in r.content.iter_any():
-                pass
-            if r.status != 200:
-                raise RuntimeError(f"HTTP {r.status} from {url}")
-        e2e.append(time.perf_counter() - t0)
+        status, took = await stream_once(session, url, chars, tokens)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status} from {url}")
+        e2e.append(took)
 
 
 async def drive(urls: list[str], clients: int, work: list[list[tuple[int, int]]]) -> list[float]:
@@ -111,10 +69,10 @@ def one(policy: str, replicas: int, inst: list[tuple[str, str, str]], clients: i
     ports = [free_port() for _ in range(replicas)]
     procs = []
     try:
-        for r, port in enumerate(ports):
-            eps = [a for name, url, state in inst for a in ("--endpoint", f"{name}={url},{state}")]
+        for port in ports:
             procs.append(start(["serve", "--host", "127.0.0.1", "--port", str(port), "--no-grpc", "--policy", policy,
-                                "--profile", PROFILE, "--model", "llama-2-7b", "--log-level", "warning", *eps]))
+                                "--profile", PROFILE, "--model", MODEL, "--log-level", "warning",
+                                *endpoint_flags(inst)]))
         for port in ports:
             wait_http(f"http://127.0.0.1:{port}/readyz")
         time.sleep(1.0)  # sidecar state arrives
@@ -150,17 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(a.clients)]
     seq_work = [[(rng.randint(200, 2000), max(8, int(rng.expovariate(1 / a.tokens)))) for _ in range(20)]
                 for _ in range(3)]
-    procs, inst = [], []
+    procs: list = []
     try:
-        for i in range(a.instances):
-            hp, sp = free_port(), free_port()
-            procs.append(start(["emulate", "--host", "127.0.0.1", "--port", str(hp), "--profile", PROFILE,
-                                "--seed", str(i)]))
-            url = f"http://127.0.0.1:{hp}"
-            wait_http(url + "/health")
-            procs.append(start(["sidecar", "--metrics-url", url + "/metrics", "--listen", f"127.0.0.1:{sp}",
-                                "--instance", f"vllm-{i}", "--endpoint", url]))
-            inst.append((f"vllm-{i}", url, f"127.0.0.1:{sp}"))
+        inst = start_instances(a.instances, procs)
         time.sleep(1.0)
         print(f"{a.instances} emulators ({PROFILE}) with sidecars; {a.clients} closed-loop clients x "
               f"{a.requests} requests (same requests every run, seed {a.seed})")

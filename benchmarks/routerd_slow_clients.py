@@ -37,7 +37,8 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from routerd_replicas import PROFILE, free_port, start, stop, wait_http  # noqa: E402
+from emulated_pool import (MODEL, PROFILE, endpoint_flags, free_port, start_instances, stop,  # noqa: E402
+                           stream_once, wait_http)
 
 KINDS = ("silent", "slow_header", "slow_body")
 
@@ -93,14 +94,10 @@ async def _worker(port: int, n: int, hold_s: float) -> dict:
 
 async def _client(session, url, work, e2e: list[float]) -> None:
     for chars, tokens in work:
-        body = {"model": "llama-2-7b", "prompt": "x " * (chars // 2), "max_tokens": tokens, "stream": True}
-        t0 = time.perf_counter()
-        async with session.post(url + "/v1/completions", json=body) as r:
-            async for _ in r.content.iter_any():
-                pass
-            if r.status != 200:
-                raise RuntimeError(f"HTTP {r.status}")
-        e2e.append(time.perf_counter() - t0)
+        status, took = await stream_once(session, url, chars, tokens)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}")
+        e2e.append(took)
 
 
 async def _drive(port: int, work) -> list[float]:
@@ -136,23 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(a.clients)]
     procs = []
     try:
-        eps = []
-        for i in range(a.instances):
-            hp, sp = free_port(), free_port()
-            procs.append(start(["emulate", "--host", "127.0.0.1", "--port", str(hp), "--profile", PROFILE,
-                                "--seed", str(i)]))
-            url = f"http://127.0.0.1:{hp}"
-            wait_http(url + "/health")
-            procs.append(start(["sidecar", "--metrics-url", url + "/metrics", "--listen", f"127.0.0.1:{sp}",
-                                "--instance", f"vllm-{i}", "--endpoint", url]))
-            eps += ["--endpoint", f"vllm-{i}={url},127.0.0.1:{sp}"]
+        eps = endpoint_flags(start_instances(a.instances, procs))
         port = free_port()
         env = {**os.environ, "PHASEWISE_HTTP__HEADER_TIMEOUT_S": str(a.timeout_s),
                "PHASEWISE_HTTP__BODY_TIMEOUT_S": str(a.timeout_s),
                "PHASEWISE_HTTP__KEEPALIVE_TIMEOUT_S": str(a.keepalive_s)}
         procs.append(subprocess.Popen([sys.executable, "-m", "routerd", "serve", "--host", "127.0.0.1", "--port",
                                        str(port), "--no-grpc", "--policy", "round_robin", "--profile", PROFILE,
-                                       "--model", "llama-2-7b", "--log-level", "error", *eps],
+                                       "--model", MODEL, "--log-level", "error", *eps],
                                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       start_new_session=True))
         wait_http(f"http://127.0.0.1:{port}/readyz")
