@@ -27,6 +27,12 @@ async def _post(s, base: str, model: str) -> tuple[int, str | None]:
         return r.status, r.headers.get("x-backend")
 
 
+async def _stop_all(d, backs) -> None:
+    await d.stop()
+    for x in backs:
+        await x.stop()
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_requests_go_only_to_endpoints_serving_their_model(policy):
     """Target: 0 requests sent to an endpoint that does not serve their model, in a mixed load."""
@@ -57,9 +63,7 @@ def test_requests_go_only_to_endpoints_serving_their_model(policy):
             assert sample(d, "phasewise_rejections_total", reason="not_found") == 1
             assert sum(b_.started for b_ in (*a, *b)) == len(wanted)  # the 404 reached nobody
         finally:
-            await d.stop()
-            for x in (*a, *b):
-                await x.stop()
+            await _stop_all(d, (*a, *b))
 
     asyncio.run(main())
 
@@ -77,9 +81,7 @@ def test_round_robin_position_is_per_model():
             b_seq = [w for (m, (_, w)) in zip(["model-a", "model-b"] * 6, order) if m == "model-b"]
             assert a_seq == ["a0", "a1"] * 3 and b_seq == ["b0", "b1", "b2"] * 2
         finally:
-            await d.stop()
-            for x in (*a, *b):
-                await x.stop()
+            await _stop_all(d, (*a, *b))
 
     asyncio.run(main())
 
@@ -101,9 +103,7 @@ def test_configured_models_need_no_discovery_and_a_404_refreshes_the_list():
                 assert (await _post(s, base, "model-b2"))[1] == "b0"
                 assert (await _post(s, base, "model-b"))[0] == 404
         finally:
-            await d.stop()
-            await a.stop()
-            await b.stop()
+            await _stop_all(d, (a, b))
 
     asyncio.run(main())
 
@@ -131,20 +131,12 @@ def test_decisions_are_spread_per_model_with_counters():
                 got = [await _post(s, base, "model-a") for _ in range(30)]
             assert Counter(w for _, w in got).keys() == {"a0", "a1", "a2"}
         finally:
-            await d.stop()
-            for x in a:
-                await x.stop()
+            await _stop_all(d, a)
 
     asyncio.run(main())
 
 
 # -- fail closed (an endpoint whose list is not known serves nothing while several models are possible) --
-
-async def _stop_all(d, backs) -> None:
-    await d.stop()
-    for x in backs:
-        await x.stop()
-
 
 @pytest.mark.parametrize("models, status", [(["model-a", "model-b"], 401), (["model-a", "model-b"], 403),
                                             ([], 401), (["model-a", "model-b"], 500)])
@@ -290,9 +282,7 @@ def test_the_sidecars_model_name_does_not_narrow_the_configured_models(models, a
                 # The sidecar's name is routable when it is configured; otherwise 404 like any other.
                 assert await _post(s, base, "base") == ((200, "b0") if "base" in models else (404, None))
         finally:
-            await d.stop()
-            await side.stop()
-            await b.stop()
+            await _stop_all(d, (side, b))
 
     asyncio.run(main())
 
@@ -318,9 +308,7 @@ def test_without_a_list_the_sidecars_name_is_all_an_endpoint_serves_among_severa
                 assert (await _post(s, base, "base-lora"))[0] == 503
             assert b.started == 1
         finally:
-            await d.stop()
-            await side.stop()
-            await b.stop()
+            await _stop_all(d, (side, b))
 
     asyncio.run(main())
 
