@@ -130,3 +130,35 @@ def test_deployment_changed_reapplies_only_after_a_foreign_edit(monkeypatch):
     assert seen == [("refresh", "p"), ("refresh", "p"), ("reconcile", "p")]
     c.forget("pool", "ns", "p")
     assert ("ns", "p") not in c._applied_generations
+
+
+def test_prune_deletes_a_removed_groups_deployment_and_forgets_its_generation():
+    from phasewise_operator import builders
+    from phasewise_operator.reconcile import Controller, Outcome
+    from phasewise_operator.spec import parse_pool_spec
+
+    pool = builders.PoolRef("p", "ns", "pool-uid")
+    owner = [{"controller": True, "uid": "pool-uid"}]
+
+    def dep(name, uid, owners=owner):
+        return {"metadata": {"name": name, "uid": uid, "ownerReferences": owners,
+                             "labels": {builders.LABEL_POOL: "p", builders.LABEL_COMPONENT: "engine"}}}
+
+    class Kube(_FakeKube):
+        def list(self, api, kind, namespace, label_selector=None):
+            return [dep("p-engine-a", "ua"), dep("p-engine-b", "ub"),
+                    dep("p-engine-c", "uc", owners=[{"controller": True, "uid": "someone-else"}])]
+
+        def delete(self, api, kind, namespace, name):
+            self.calls.append(("delete", kind, namespace, name))
+
+    kube = Kube()
+    c = Controller(kube, OperatorSettings())
+    c._applied_generations[("ns", "p")] = {"ua": 2, "ub": 5}
+    spec = parse_pool_spec({"engineGroups": [{"name": "a", "model": {"name": "m"}}], "emulated": True})
+    outcome = Outcome(ok=True, message="")
+    assert c._prune(pool, spec, outcome) is None
+    # b left the spec and is the pool's own: deleted; c carries the labels but another owner.
+    assert kube.calls == [("delete", "Deployment", "ns", "p-engine-b")]
+    assert outcome.deleted == ["Deployment/p-engine-b"]
+    assert c._applied_generations[("ns", "p")] == {"ua": 2}

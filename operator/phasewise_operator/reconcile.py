@@ -131,7 +131,9 @@ class Controller:
         Runs after every wanted child is applied, so a switch to groups starts the new
         Deployments before the old one goes. Returns the problem when a delete is refused.
         """
-        for name in builders.stale_engine_deployments(pool, spec, self._engines(pool)):
+        engines = self._engines(pool)
+        uids = {d["metadata"]["name"]: d["metadata"].get("uid") for d in engines}
+        for name in builders.stale_engine_deployments(pool, spec, engines):
             try:
                 self.kube.delete("apps/v1", "Deployment", pool.namespace, name)
             except ApiError as e:
@@ -140,6 +142,8 @@ class Controller:
                 outcome.retry_after = None if e.permanent else 10.0
                 return status.Problem("ApplyFailed", what)
             outcome.deleted.append(f"Deployment/{name}")
+            with self._guard:  # its generation no longer needs remembering
+                self._applied_generations.get((pool.namespace, pool.name), {}).pop(uids.get(name), None)
             log.info(f"pool {pool.namespace}/{pool.name}: deleted Deployment {name}, no longer in the spec")
         return None
 
