@@ -8,6 +8,12 @@ carries the environment variable ``PHASEWISE_E2E_STACK=<id>`` so that
 :func:`marked_processes` finds every process the stack started (and any child they
 started) after teardown: a leak check that needs no process tree.
 
+Options cover the production cases of issue 15: a different ``emulate`` flag set per
+emulator (``--model``), no sidecars, extra ``--endpoint`` specs (a :class:`HungServer`), and
+the endpoints in a YAML config file (``config``, for reloads) instead of flags.
+:func:`run_routerd` runs one ``python -m routerd`` command that is expected to exit (bad
+settings).
+
 Also: :func:`scrape` (Prometheus text read with ``prometheus_client.parser``),
 :func:`metric_sum`, and :func:`wait_until` / :func:`await_until`: the one way tests here
 wait for state that another thread or process writes (operator status, EndpointSlices,
@@ -24,15 +30,18 @@ import os
 import re
 import signal
 import socket
+import selectors
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,16 +126,38 @@ class StackProcess:
 class Stack:
     """``n`` emulators + their sidecars + routerd, all on 127.0.0.1.
 
+    Args:
+        emulator_flags: ``emulate`` flags of every emulator.
+        per_emulator_flags: further ``emulate`` flags of emulator i (``("--model", "a")``);
+            empty, or one entry per emulator.
+        sidecars: start a sidecar beside each emulator (its ``state_address`` given to routerd).
+        extra_endpoints: further ``--endpoint NAME=URL[,STATE]`` specs of routerd (servers the
+            test runs itself, e.g. a :class:`HungServer`); they follow the emulators.
+        config: when given, routerd reads its endpoints from a YAML file ``logdir/routerd.yaml``
+            (``config_path``) holding these settings and ``endpoints`` (the emulators', then
+            ``extra_endpoints``), instead of ``--endpoint`` flags, so that a test can rewrite it
+            and reload.
+
     Attributes (after :meth:`start`): ``emulators``, ``emulator_urls``, ``sidecars``,
-    ``sidecar_addresses``, ``routerd``, ``url`` (routerd's base URL), ``grpc_address``.
+    ``sidecar_addresses``, ``routerd``, ``url`` (routerd's base URL), ``grpc_address``,
+    ``config_path`` (or None).
     """
 
     def __init__(self, logdir: Path, *, n: int = 3, emulator_flags: tuple[str, ...] = (),
+                 per_emulator_flags: Sequence[Sequence[str]] = (), sidecars: bool = True,
+                 extra_endpoints: Sequence[str] = (), config: dict[str, Any] | None = None,
                  routerd_flags: tuple[str, ...] = (), routerd_env: dict[str, str] | None = None,
                  startup_timeout_s: float = 90.0) -> None:
+        if per_emulator_flags and len(per_emulator_flags) != n:
+            raise ValueError(f"per_emulator_flags: {len(per_emulator_flags)} entries for {n} emulators")
         self.logdir = logdir
         self.n = n
         self.emulator_flags = list(emulator_flags)
+        self.per_emulator_flags = [list(f) for f in per_emulator_flags] or [[] for _ in range(n)]
+        self.with_sidecars = sidecars
+        self.extra_endpoints = list(extra_endpoints)
+        self.config = None if config is None else dict(config)
+        self.config_path: Path | None = None
         self.routerd_flags = list(routerd_flags)
         self.routerd_env = dict(routerd_env or {})
         self.startup_timeout_s = startup_timeout_s
@@ -161,22 +192,45 @@ class Stack:
                 self.emulators, self.sidecars, self.routerd = [], [], None
         raise AssertionError("unreachable")
 
+    def endpoint_entries(self) -> list[dict[str, str]]:
+        """routerd's ``endpoints`` entries of the emulators (with their sidecars), then ``extra_endpoints``."""
+        from routerd.daemon.cli import parse_endpoint_flag
+
+        out = []
+        for i, (name, url) in enumerate(zip(self.names, self.emulator_urls)):
+            entry = {"name": name, "url": url}
+            if self.with_sidecars:
+                entry["state_address"] = self.sidecar_addresses[i]
+            out.append(entry)
+        return out + [parse_endpoint_flag(spec) for spec in self.extra_endpoints]
+
+    def write_config(self, settings: dict[str, Any]) -> Path:
+        """Write ``settings`` as YAML to ``config_path`` (``logdir/routerd.yaml``) and return it."""
+        path = self.logdir / "routerd.yaml"
+        path.write_text(yaml.safe_dump(settings, sort_keys=False))
+        self.config_path = path
+        return path
+
     def _start_once(self) -> "Stack":
         t = self.startup_timeout_s
         ports = free_ports(2 * self.n)
         self.emulator_urls = [f"http://127.0.0.1:{p}" for p in ports[:self.n]]
-        self.sidecar_addresses = [f"127.0.0.1:{p}" for p in ports[self.n:]]
+        self.sidecar_addresses = [f"127.0.0.1:{p}" for p in ports[self.n:]] if self.with_sidecars else []
         for i, (name, url) in enumerate(zip(self.names, self.emulator_urls)):
             self.emulators.append(StackProcess(name, [
                 "emulate", "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--seed", str(i),
-                *self.emulator_flags], self.logdir, self.env))
+                *self.emulator_flags, *self.per_emulator_flags[i]], self.logdir, self.env))
         for name, url, addr in zip(self.names, self.emulator_urls, self.sidecar_addresses):
             self.sidecars.append(StackProcess(f"sidecar-{name}", [
                 "sidecar", "--metrics-url", url + "/metrics", "--listen", addr, "--instance", name,
                 "--endpoint", url, "--log-level", "info"], self.logdir, self.env))
         flags = ["serve", "--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--log-level", "info"]
-        for name, url, addr in zip(self.names, self.emulator_urls, self.sidecar_addresses):
-            flags += ["--endpoint", f"{name}={url},{addr}"]
+        if self.config is not None:
+            flags += ["--config", str(self.write_config({**self.config, "endpoints": self.endpoint_entries()}))]
+        else:
+            for e in self.endpoint_entries():
+                flags += ["--endpoint", f"{e['name']}={e['url']}" + (f",{e['state_address']}"
+                                                                       if "state_address" in e else "")]
         env = dict(self.env)
         env["PHASEWISE_GRPC__HOST"] = "127.0.0.1"
         env.update(self.routerd_env)
@@ -202,10 +256,119 @@ class Stack:
         for p in procs:
             p.wait(max(0.1, deadline - time.monotonic()))
 
+    def close_checked(self, timeout_s: float = 15.0) -> list[tuple[int, str]]:
+        """:meth:`close`, then SIGKILL every process still carrying this stack's marker (a child
+        that outlived its parent); returns those (pid, command line): empty when none leaked."""
+        self.close(timeout_s)
+        left = marked_processes(self.id)
+        for pid, _ in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return left
+
     def logs(self, tail: int = 3000) -> str:
         """The end of every process's log, for failure messages."""
         return "\n".join(f"--- {p.name} (pid {p.pid}, rc {p.proc.returncode}) ---\n{p.log_text()[-tail:]}"
                          for p in self.all_processes())
+
+
+def run_routerd(name: str, args: list[str], logdir: Path, timeout_s: float = 60.0,
+                env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``python -m routerd ARGS`` (a command expected to exit, e.g. ``serve`` with bad
+    settings) to its end: (exit code, its stdout and stderr). After ``timeout_s`` it is killed
+    and the test fails with its log.
+
+    ``env``: further environment variables (the test's own ``PHASEWISE_*`` are not passed on).
+    """
+    p = StackProcess(name, args, logdir, {**_base_env(uuid.uuid4().hex), **(env or {})})
+    try:
+        p.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        p.wait(0)
+        raise AssertionError(f"{name}: still running after {timeout_s} s:\n{p.log_text()[-4000:]}") from None
+    p.wait(0)
+    return p.proc.returncode, p.log_text()
+
+
+class HungServer:
+    """A hung instance: a TCP server on 127.0.0.1 (a thread of the test process) that accepts
+    every connection, reads whatever it is sent and never answers. Each request that reaches it
+    is recorded by its request line (one per connection: nothing is answered, so nothing is
+    pipelined behind it).
+
+    Attributes: ``port``, ``url``. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self) -> None:
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._received: dict[socket.socket, bytes] = {}
+        self._closed: list[bytes] = []
+        self._stop = threading.Event()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._serve, name=f"hung-server-{self.port}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(timeout=0.05):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                if sock is self._listener:
+                    try:
+                        conn, _ = self._listener.accept()
+                    except BlockingIOError:
+                        continue
+                    conn.setblocking(False)
+                    with self._lock:
+                        self._received[conn] = b""
+                    self._selector.register(conn, selectors.EVENT_READ)
+                    continue
+                try:
+                    data = sock.recv(65536)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    data = b""
+                with self._lock:
+                    if data:
+                        self._received[sock] += data
+                        continue
+                    self._closed.append(self._received.pop(sock))  # the peer gave up (its timeout)
+                self._selector.unregister(sock)
+                sock.close()
+
+    def request_lines(self) -> list[str]:
+        """The request line (``POST /v1/completions HTTP/1.1``) of every request received so far."""
+        with self._lock:
+            raw = [*self._closed, *self._received.values()]
+        return [b.split(b"\r\n", 1)[0].decode(errors="replace") for b in raw if b"\r\n" in b]
+
+    def close(self) -> None:
+        """Stop the thread and close every socket."""
+        self._stop.set()
+        self._thread.join(10)
+        with self._lock:
+            conns = list(self._received)
+            self._received.clear()
+        for conn in conns:
+            conn.close()
+        self._selector.close()
+        self._listener.close()
+
+    def __enter__(self) -> "HungServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def free_ports(k: int) -> list[int]:
