@@ -142,12 +142,15 @@ def test_decisions_are_spread_per_model_with_counters():
                                             ([], 401), (["model-a", "model-b"], 500)])
 def test_an_endpoint_whose_list_is_unreadable_serves_nothing(models, status):
     """x's /v1/models answers 401/403/500 (vLLM's --api-key, a broken server): x takes no request,
-    neither for the top-level models nor for any other, until its list is known."""
+    neither for the top-level models nor for any other, until its list is known. With ``models``
+    empty, c0's model-c is the evidence that several models are possible (an unknown list alone
+    is none)."""
     async def main():
         a = await FakeBackend("a0", models=("model-a",)).start()
         x = await FakeBackend("x0", models=("model-b",)).start()
         x.models_status = status
-        d = await start_daemon([a, x], models=models)
+        c = [] if models else [await FakeBackend("c0", models=("model-c",)).start()]
+        d = await start_daemon([a, x, *c], models=models)
         base = f"http://127.0.0.1:{d.http_port}"
         try:
             async with aiohttp.ClientSession() as s:
@@ -161,7 +164,7 @@ def test_an_endpoint_whose_list_is_unreadable_serves_nothing(models, status):
                 await d.model_lister.refresh()
                 assert await _post(s, base, "model-b") == (200, "x0")
         finally:
-            await _stop_all(d, (a, x))
+            await _stop_all(d, (a, x, *c))
 
     asyncio.run(main())
 
@@ -547,5 +550,79 @@ def test_a_thousand_mixed_requests_are_never_misrouted(policy):
             assert {n: b_.models_reads for n, b_ in backs.items()} == {n: 1 for n in backs}
         finally:
             await _stop_all(d, list(backs.values()))
+
+    asyncio.run(main())
+
+
+# -- one model, lists unknown: routed as before lists existed (no evidence of several) -----------------
+
+@pytest.mark.parametrize("both_sidecars", [False, True])
+def test_one_model_without_lists_goes_everywhere_and_needs_no_model_in_grpc(both_sidecars):
+    """Servers without /v1/models (404, not vLLM), sidecars reporting the one model m on e0 (and
+    e1): one model is all the evidence shows, so e1 without a sidecar still takes its share, gRPC
+    Route without a model takes m, and a 404 list is not re-read every retry_s."""
+    import grpc
+
+    from daemon_fakes import FakeSidecar
+    from routerd.api.v1 import router_pb2, router_pb2_grpc
+
+    async def main():
+        backs = [await FakeBackend(f"e{i}", models=("m",)).start() for i in range(2)]
+        for b_ in backs:
+            b_.models_status = 404
+        sides = [await FakeSidecar(f"e{i}").start() for i in range(2)]
+        for sd in sides:
+            sd.set(models=["m"])
+        eps = [{"name": "e0", "url": backs[0].url, "state_address": sides[0].address},
+               {"name": "e1", "url": backs[1].url, **({"state_address": sides[1].address} if both_sidecars else {})}]
+        d = await start_daemon([], models=[], endpoints=eps, policy={"name": "round_robin"})
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            for name in (["e0", "e1"] if both_sidecars else ["e0"]):
+                await poll_until(lambda n=name: d.router.by_name[n].snapshot, lambda st: st is not None and st.models,
+                                 30.0, f"{name}'s sidecar state received")
+            assert d.router.several_models is False
+            async with aiohttp.ClientSession() as s:
+                got = [await _post(s, base, "m") for _ in range(8)]
+            assert Counter(got) == {(200, "e0"): 4, (200, "e1"): 4}
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{d.grpc_port}") as ch:
+                stub = router_pb2_grpc.RouterServiceStub(ch)
+                r = await stub.Route(router_pb2.RouteRequest(request_id="x1", prompt_tokens=5))
+                assert r.decision == router_pb2.RouteResponse.DISPATCH and r.instance in {"e0", "e1"}
+                assert d._grpc.servicer.inflight["x1"][0].model == "m"
+            # The lister's fast-retry set drives the every-retry_s reads: a 404 is not in it.
+            assert (d.model_lister._failing, d.model_lister._no_list) == (set(), {"e0", "e1"})
+            assert [b_.models_reads for b_ in backs] == [1, 1]
+        finally:
+            await _stop_all(d, (*sides, *backs))
+
+    asyncio.run(main())
+
+
+def test_one_model_with_an_endpoint_not_up_yet_is_not_several():
+    """e1 refuses connections at start (vLLM still loading): its list is unknown, which is no
+    evidence of a second model: gRPC Route without a model takes e0's only model."""
+    import socket
+
+    import grpc
+
+    from routerd.api.v1 import router_pb2, router_pb2_grpc
+
+    async def main():
+        e0 = await FakeBackend("e0", models=("m",)).start()
+        sk = socket.socket()
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+        sk.close()  # nothing listens there
+        d = await start_daemon([], models=[], endpoints=[{"name": "e0", "url": e0.url},
+                                                         {"name": "e1", "url": f"http://127.0.0.1:{port}"}])
+        try:
+            assert (d.router.several_models, d.model_names()) == (False, ["m"])
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{d.grpc_port}") as ch:
+                stub = router_pb2_grpc.RouterServiceStub(ch)
+                r = await stub.Route(router_pb2.RouteRequest(request_id="x", prompt_tokens=5))
+                assert (r.decision, r.instance) == (router_pb2.RouteResponse.DISPATCH, "e0")
+        finally:
+            await _stop_all(d, (e0,))
 
     asyncio.run(main())

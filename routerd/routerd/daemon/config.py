@@ -154,7 +154,8 @@ class EndpointConfig(_Model):
     """Models it serves; replaces what its ``/v1/models`` lists. Empty: learned from its
     ``/v1/models`` (vLLM lists its served names and loaded LoRA adapters), refreshed every
     ``model_refresh_s``, after a 404 from it, and on a reload that changes models; while
-    several models are possible and that list is unknown or unreadable (401/403), the
+    several models are possible (``models`` names two or more, or the lists and sidecar
+    reports together name two or more) and that list is unknown or unreadable (401/403), the
     endpoint serves nothing (fail closed)."""
 
     @field_validator("url")

@@ -52,7 +52,9 @@ class ModelLister:
     a body that is not a model list): ``on_models(name, None)``, the endpoint's models are
     unknown from then on and it serves nothing while several models are possible (fail
     closed). No answer at all (connect error, timeout): nothing is reported, the last known
-    list stands. An endpoint whose last read failed is read again every ``retry_s``.
+    list stands. An endpoint whose last read failed is read again every ``retry_s``, except
+    after a 404: a server without the route has no list to wait for, so it is read again
+    only at the next full refresh (``refresh_s``).
 
     routerd has no upstream API-key setting (requests carry their clients' own
     ``Authorization``), so ``headers`` is empty by default: behind vLLM's ``--api-key`` the
@@ -80,6 +82,9 @@ class ModelLister:
         self._poked: set[str] = set()
         self._wake = asyncio.Event()
         self._failing: set[str] = set()
+        """Endpoints whose last read failed (other than 404): read again every ``retry_s``."""
+        self._no_list: set[str] = set()
+        """Endpoints whose ``/v1/models`` answered 404 (no such route): read every ``refresh_s`` only."""
 
     async def _session_(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -99,6 +104,15 @@ class ModelLister:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 unreachable = True
                 raise ValueError(str(e) or type(e).__name__) from None
+            if status == 404:
+                # No such route: this server has no model list (not vLLM), and asking again every
+                # retry_s would not change that; the periodic refresh still notices a new one.
+                if name not in self._no_list:
+                    self._no_list.add(name)
+                    log.warning("endpoint %s: %s/v1/models answered 404: it has no model list; read again "
+                                "every %g s", name, url, self.refresh_s)
+                self._failing.discard(name)
+                return None
             if status != 200:
                 raise ValueError(f"HTTP {status}")
             ids = parse_models(body)
@@ -107,11 +121,14 @@ class ModelLister:
                 self._failing.add(name)
                 log.warning("endpoint %s: cannot read %s/v1/models (%s); %s", name, url, e,
                             "keeping its last known models" if unreachable
-                            else "it serves no model until its list can be read (or endpoints[].models is set)")
+                            else "while several models are possible it serves no model until its list can "
+                                 "be read (or endpoints[].models is set)")
             else:
                 self._failing.add(name)
+            self._no_list.discard(name)
             return UNREACHABLE if unreachable else None
         self._failing.discard(name)
+        self._no_list.discard(name)
         return ids
 
     async def refresh(self, names: set[str] | None = None) -> None:

@@ -446,11 +446,13 @@ class Router:
         An endpoint's list is its ``endpoints[].models`` if configured, else what its own
         ``/v1/models`` listed. Its sidecar's names (vLLM's ``model_name`` label: the first
         served name only, never an alias or a LoRA adapter) are no list: they never narrow
-        what it serves. Several models are possible when ``models`` names more than one, or
-        (``models`` empty) when the known lists and sidecar names name more than one, or some
-        endpoint's list is still unknown. Then an endpoint without a list serves only what its
-        sidecar names (which it certainly serves), nothing without a sidecar: fail closed, a
-        request must never reach an endpoint that may not serve its model. With one possible
+        what it serves. Several models are possible only on evidence: ``models`` names more
+        than one, or (``models`` empty) the configured lists, the read lists and the sidecar
+        names together name more than one. An unknown list is no such evidence: a single-model
+        pool of servers without ``/v1/models`` (or one not up yet) must route as it did before
+        lists existed. While several are possible, an endpoint without a list serves only what
+        its sidecar names (which it certainly serves), nothing without a sidecar: fail closed,
+        a request must never reach an endpoint that may not serve its model. With one possible
         model, an endpoint without a list serves every model (the single-model deployment,
         which needs no lists; ``models: [alias]`` routes whatever name vLLM's metrics carry).
         """
@@ -458,6 +460,7 @@ class Router:
         lists: dict[str, frozenset[str] | None] = {}
         sides: dict[str, frozenset[str]] = {}
         names: set[str] = set()
+        evidence: set[str] = set()
         for ep in present:
             listed = ep.configured_models or ep.discovered_models
             s = ep.snapshot
@@ -465,11 +468,10 @@ class Router:
             lists[ep.name] = listed
             sides[ep.name] = side
             names |= side if listed is None else listed
+            evidence |= side
+        evidence |= names
         default = self.default_models
-        if default:
-            several = len(default) > 1
-        else:
-            several = len(names) > 1 or (bool(names) and any(m is None for m in lists.values()))
+        several = len(default) > 1 if default else len(evidence) > 1
         if several:
             lists = {k: (m if m is not None else sides[k]) for k, m in lists.items()}
         if several != self._several and self.queue:
