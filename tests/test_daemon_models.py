@@ -626,3 +626,78 @@ def test_one_model_with_an_endpoint_not_up_yet_is_not_several():
             await _stop_all(d, (e0,))
 
     asyncio.run(main())
+
+
+class _GatedList(FakeBackend):
+    """A backend whose /v1/models answers only once :attr:`list_gate` is set (a slow or hung list)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.list_gate = asyncio.Event()
+        self.list_asked = 0
+        """``GET /v1/models`` requests received, answered or still waiting at the gate."""
+
+    async def _models(self, request):
+        self.list_asked += 1
+        await self.list_gate.wait()
+        return await super()._models(request)
+
+
+# -- a moved endpoint's list is the new server's, not the old one's ----------------------------------
+
+def test_an_endpoint_moved_to_another_url_serves_nothing_until_its_new_list_is_read():
+    """A reload keeps the name a1 but points it at a model-b server whose /v1/models hangs: the
+    model-a list read from the old URL is dropped, a1 takes no model-a request while the new
+    list is unknown (however long), then serves what the new server lists."""
+    async def main():
+        a0 = await FakeBackend("a0", models=("model-a",)).start()
+        a1 = await FakeBackend("a1", models=("model-a",)).start()
+        b = await _GatedList("b", models=("model-b",)).start()
+        for x in (a0, a1, b):
+            x.reject_unknown_models = True
+        d = await start_daemon([a0, a1], models=[], policy={"name": "round_robin"}, model_refresh_s=3600.0)
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            assert await d.reload(_settings(d, endpoints=[{"name": "a0", "url": a0.url},
+                                                          {"name": "a1", "url": b.url}]))
+            assert d.router.by_name["a1"].discovered_models is None
+            async with aiohttp.ClientSession() as s:
+                got = [await _post(s, base, "model-a") for _ in range(10)]
+                assert got == [(200, "a0")] * 10
+                assert b.misrouted == 0 and b.started == 0
+                b.list_gate.set()
+                await poll_until(d.model_names, lambda n: sorted(n) == ["model-a", "model-b"], 30.0,
+                                 "b's list read for a1")
+                assert await _post(s, base, "model-b") == (200, "b")
+                assert [await _post(s, base, "model-a") for _ in range(3)] == [(200, "a0")] * 3
+        finally:
+            await _stop_all(d, (a0, a1, b))
+
+    asyncio.run(main())
+
+
+def test_a_list_read_from_an_old_url_is_not_reported():
+    """The endpoint moves while its old URL's read is in flight: that answer is not its list."""
+    from routerd.daemon.models import ModelLister
+
+    async def main():
+        old = await _GatedList("old", models=("model-a",)).start()
+        new = await FakeBackend("new", models=("model-b",)).start()
+        where = {"e": old.url}
+        got = []
+        lister = ModelLister(lambda: list(where.items()), lambda n, ids: got.append((n, ids)))
+        try:
+            t = asyncio.ensure_future(lister.refresh())
+            await poll_until(lambda: old.list_asked, lambda n: n == 1, 30.0, "the old URL's read started")
+            where["e"] = new.url
+            old.list_gate.set()
+            await asyncio.wait_for(t, 30.0)
+            assert got == []
+            await lister.refresh()
+            assert got == [("e", ["model-b"])]
+        finally:
+            await lister.close()
+            await old.stop()
+            await new.stop()
+
+    asyncio.run(main())

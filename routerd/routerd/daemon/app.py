@@ -325,12 +325,14 @@ class Daemon:
         names = {e.name for e in self._static}
         merged = list(self._static) + [e for e in self._discovered if e.name not in names]
         known = {ep.name: (ep.url, ep.configured_models) for ep in self.router.endpoints}
-        self.router.set_endpoints(merged)
+        # Lists are read (and new or moved endpoints wait for theirs) unless ``models`` names one.
+        self.router.set_endpoints(merged, lists_read=len(self.settings.models) != 1)
         # A list nothing refreshes any more (the endpoint is configured now, or ``models`` names
         # one model) must not linger: it would be trusted long after it went stale.
         listed = {n for n, _ in self._endpoints_to_list()}
         self.router.forget_discovered_models(
-            [ep.name for ep in self.router.endpoints if ep.discovered_models is not None and ep.name not in listed])
+            [ep.name for ep in self.router.endpoints
+             if (ep.discovered_models is not None or ep.models_pending) and ep.name not in listed])
         if self._loop is not None and not self._stopping:
             self._sync_watchers()
             for e in merged:

@@ -137,8 +137,10 @@ class ModelLister:
         # Read now: a poke still pending for them (e.g. made when they joined) is answered too.
         self._poked.difference_update(n for n, _ in targets)
         results = await asyncio.gather(*(self.fetch(n, u) for n, u in targets))
-        for (n, _), ids in zip(targets, results):
-            if ids is not UNREACHABLE:
+        # An endpoint moved to another URL during the read: its answer is the old server's.
+        current = set(self.endpoints())
+        for (n, u), ids in zip(targets, results):
+            if ids is not UNREACHABLE and (n, u) in current:
                 self.on_models(n, ids)
 
     def poke(self, name: str) -> None:

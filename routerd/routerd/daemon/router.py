@@ -285,6 +285,8 @@ class Router:
         self._unlisted: list[EndpointState] = []
         """The endpoints serving a model no list names: those without a list, with one model possible."""
         self._known: frozenset[str] = frozenset()
+        self._pending = False
+        """Some present endpoint's list is being read (``EndpointState.models_pending``)."""
         self._known_sorted: list[str] = []
         self.failure_cooldown_s = 1.0
         """First connect-failure cooldown of an endpoint (s); doubles per further failure."""
@@ -333,17 +335,24 @@ class Router:
         self._idle_hold_since = {}
         self._decide()
 
-    def set_endpoints(self, discovered: Sequence[DiscoveredEndpoint]) -> None:
+    def set_endpoints(self, discovered: Sequence[DiscoveredEndpoint], *, lists_read: bool = False) -> None:
         """Make the endpoint table match ``discovered`` (the complete current set).
 
         New endpoints join; known ones take the new URL, state address and readiness;
         missing ones stop receiving requests at once and are dropped when their in-flight
-        requests have finished. Their metric series go with them.
+        requests have finished. Their metric series go with them. A new URL drops the list
+        read from the old one (it is another server's).
+
+        ``lists_read``: the caller reads the ``/v1/models`` of every endpoint without configured
+        models (it pokes the lister); those that are new, moved or just lost their configured
+        models then wait for that read (:attr:`EndpointState.models_pending`) until
+        :meth:`set_discovered_models` or :meth:`forget_discovered_models`.
         """
         seen: set[str] = set()
         for d in discovered:
             seen.add(d.name)
             ep = self.by_name.get(d.name)
+            fresh = ep is None
             if ep is None:
                 ep = EndpointState(len(self.endpoints), d.name, d.url, d.state_address, d.ready, self.profile)
                 ep.m = self.metrics.endpoint(d.name, ep.requests.__len__,
@@ -356,6 +365,9 @@ class Router:
                     ep.snapshot = None
                 if ep.url != d.url:
                     ep.url, ep.target = d.url, url_target(d.url)
+                    # Another server now: what the old one listed says nothing about it.
+                    ep.discovered_models = None
+                    fresh = True
                 ep.state_address, ep.ready, ep.removed = d.state_address, d.ready, False
             configured = frozenset(d.models)
             if configured != ep.configured_models:
@@ -363,6 +375,9 @@ class Router:
                 # A list read before is of another configuration: read it again (the caller
                 # pokes the lister), and serve nothing from it meanwhile.
                 ep.discovered_models = None
+                fresh = True
+            if fresh and lists_read and not configured:
+                ep.models_pending = True
             ep.m.ready.set(1 if ep.ready else 0)
         self._cands = None
         for ep in list(self.endpoints):
@@ -412,17 +427,20 @@ class Router:
         if ep is None or ep.configured_models:
             return
         new = frozenset(models) if models is not None else None
-        if new != ep.discovered_models:
+        if new != ep.discovered_models or ep.models_pending:
             ep.discovered_models = new
+            ep.models_pending = False
             self._models_changed()
 
     def forget_discovered_models(self, names: Sequence[str]) -> None:
-        """Drop what the endpoints ``names`` listed (nothing refreshes those lists any more)."""
+        """Drop what the endpoints ``names`` listed, and stop waiting for their lists (nothing
+        reads or refreshes those lists any more)."""
         changed = False
         for name in names:
             ep = self.by_name.get(name)
-            if ep is not None and ep.discovered_models is not None:
+            if ep is not None and (ep.discovered_models is not None or ep.models_pending):
                 ep.discovered_models = None
+                ep.models_pending = False
                 changed = True
         if changed:
             self._models_changed()
@@ -454,7 +472,10 @@ class Router:
         its sidecar names (which it certainly serves), nothing without a sidecar: fail closed,
         a request must never reach an endpoint that may not serve its model. With one possible
         model, an endpoint without a list serves every model (the single-model deployment,
-        which needs no lists; ``models: [alias]`` routes whatever name vLLM's metrics carry).
+        which needs no lists; ``models: [alias]`` routes whatever name vLLM's metrics carry),
+        except one whose list is being read (``models_pending``: it joined or moved): that
+        one serves its sidecar's names only until the read answers, as it may be another
+        model's server (a reload moving an endpoint name to a new URL).
         """
         present = [ep for ep in self.endpoints if not ep.removed]
         lists: dict[str, frozenset[str] | None] = {}
@@ -472,8 +493,12 @@ class Router:
         evidence |= names
         default = self.default_models
         several = len(default) > 1 if default else len(evidence) > 1
-        if several:
-            lists = {k: (m if m is not None else sides[k]) for k, m in lists.items()}
+        pending = False
+        for ep in present:
+            if lists[ep.name] is None and (several or ep.models_pending):
+                lists[ep.name] = sides[ep.name]
+            pending = pending or ep.models_pending
+        self._pending = pending
         if several != self._several and self.queue:
             # Queued requests move to the queues of the new mode (per model, or one), in order.
             queued = self.queue.take_all()

@@ -88,6 +88,10 @@ class EndpointState(RequestBook):
         """Models its source says it serves (config ``endpoints[].models``)."""
         self.discovered_models: frozenset[str] | None = None
         """Models its own ``/v1/models`` listed at the last refresh; None before one succeeded."""
+        self.models_pending = False
+        """A read of its ``/v1/models`` is awaited (it joined, moved to another URL or lost its
+        configured models) and has not been answered: until then it serves only its sidecar's
+        names, whatever the number of models (see ``Router._rebuild_models``)."""
         self.m: Any = None
         """Pre-resolved metric children (:class:`routerd.daemon.metrics.EndpointMetrics`)."""
 
