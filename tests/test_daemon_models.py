@@ -701,3 +701,70 @@ def test_a_list_read_from_an_old_url_is_not_reported():
             await new.stop()
 
     asyncio.run(main())
+
+
+# -- a model whose endpoint's list is still being read is 503 (retryable), not 404 -------------------
+
+def test_a_model_served_by_an_endpoint_whose_list_is_being_read_is_503_not_404():
+    """A reload replaces b0 (model-b) by b1 whose /v1/models has not answered yet: model-b (and
+    any unknown name) is 503 no_endpoint with Retry-After, sent nowhere, while b1's list is
+    unknown; once read, model-b goes to b1 and an unknown name is 404."""
+    import grpc
+
+    from routerd.api.v1 import router_pb2, router_pb2_grpc
+
+    async def main():
+        a0 = await FakeBackend("a0", models=("model-a",)).start()
+        b0 = await FakeBackend("b0", models=("model-b",)).start()
+        b1 = await _GatedList("b1", models=("model-b",)).start()
+        d = await start_daemon([a0, b0], models=[], model_refresh_s=3600.0)
+        base = f"http://127.0.0.1:{d.http_port}"
+        body = {"model": "model-b", "prompt": "p", "max_tokens": 2}
+        try:
+            assert await d.reload(_settings(d, endpoints=[{"name": "a0", "url": a0.url},
+                                                          {"name": "b1", "url": b1.url}]))
+            async with aiohttp.ClientSession() as s:
+                for m in ("model-b", "model-z"):
+                    async with s.post(base + "/v1/completions", json={**body, "model": m}) as r:
+                        doc = await r.json()
+                        assert (r.status, r.headers.get("Retry-After"), r.headers.get("x-phasewise-reject-reason"),
+                                doc["error"]["type"], doc["error"]["code"]) == (
+                            503, "1", "no_endpoint", "service_unavailable", "no_endpoint"), (m, doc)
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{d.grpc_port}") as ch:
+                    stub = router_pb2_grpc.RouterServiceStub(ch)
+                    got = await stub.Route(router_pb2.RouteRequest(request_id="g", model="model-b", prompt_tokens=5))
+                    assert (got.decision, got.reason) == (router_pb2.RouteResponse.REJECT, "no_endpoint")
+                assert b1.started == 0 and a0.started == 0
+                b1.list_gate.set()
+                await poll_until(d.model_names, lambda n: sorted(n) == ["model-a", "model-b"], 30.0,
+                                 "b1's list read")
+                assert await _post(s, base, "model-b") == (200, "b1")
+                assert await _post(s, base, "model-z") == (404, None)
+        finally:
+            await _stop_all(d, (a0, b0, b1))
+
+    asyncio.run(main())
+
+
+def test_with_a_grace_a_request_waits_for_the_list_being_read():
+    """router.no_endpoint_grace_s > 0: a model-b request arriving while b1's list is being read
+    waits for it (as for a ready endpoint) and goes to b1."""
+    async def main():
+        a0 = await FakeBackend("a0", models=("model-a",)).start()
+        b1 = await _GatedList("b1", models=("model-b",)).start()
+        d = await start_daemon([a0], models=[], model_refresh_s=3600.0, router={"no_endpoint_grace_s": 60.0})
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            assert await d.reload(_settings(d, endpoints=[{"name": "a0", "url": a0.url},
+                                                          {"name": "b1", "url": b1.url}]))
+            async with aiohttp.ClientSession() as s:
+                t = asyncio.ensure_future(_post(s, base, "model-b"))
+                await poll_until(lambda: len(d.router._models_waiters), lambda n: n == 1, 30.0,
+                                 "the request waiting for the lists")
+                assert not t.done()
+                b1.list_gate.set()
+                assert await asyncio.wait_for(t, 30.0) == (200, "b1")
+        finally:
+            await _stop_all(d, (a0, b1))
+
+    asyncio.run(main())

@@ -422,12 +422,22 @@ class Daemon:
         return self.router.known_models()
 
     def model_allowed(self, model: str) -> bool:
-        """Whether requests for ``model`` are accepted (any model while none is known)."""
-        allowed = self.router.default_models  # the ``models`` setting, as a set
-        if allowed:
-            return model in allowed
-        known = self.router.known  # precomputed when endpoints or their lists change
-        return not known or model in known
+        """Whether requests for ``model`` are accepted now (any model while none is known)."""
+        return self.router.model_verdict(model) == "ok"
+
+    async def settle_model(self, model: str) -> str:
+        """:meth:`Router.model_verdict` of ``model``, once it is settled: while it is
+        ``"pending"`` (a list still being read) wait for the lists up to
+        ``router.no_endpoint_grace_s`` (s; 0 = answer at once), as a request waits for a ready
+        endpoint. Returns ``"ok"``, ``"unknown"`` (answer 404) or ``"pending"`` (answer 503)."""
+        router = self.router
+        verdict = router.model_verdict(model)
+        if verdict == "pending" and router.no_endpoint_grace_s > 0.0:
+            deadline = router.clock() + router.no_endpoint_grace_s
+            while verdict == "pending" and router.clock() < deadline:
+                await router.wait_models_change(deadline - router.clock())
+                verdict = router.model_verdict(model)
+        return verdict
 
     # -- per-request helpers -----------------------------------------------------
     @staticmethod

@@ -60,8 +60,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         model = request.model or None
-        if model is not None and not d.model_allowed(model):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served")
+        if model is not None:
+            verdict = await d.settle_model(model)
+            if verdict == "unknown":
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served")
+            if verdict == "pending":
+                # A list is still being read (a pod joining): retryable, as "no endpoint" is.
+                return RouteResponse(request_id=rid, decision=RouteResponse.REJECT, reason="no_endpoint",
+                                     policy=router.policy_name, predicted_bucket=-1)
         if model is None:
             if router.several_models:
                 # Which endpoints may take it depends on its model: guessing one would misroute.

@@ -436,6 +436,9 @@ class Proxy:
         except BadRequest as e:
             reason = "not_found" if e.status == 404 else "bad_request"
             return self._refuse(e.status, str(e), e.type_, reason, code=e.code, param=e.param)
+        refused = await self._check_model(payload["model"])
+        if refused is not None:
+            return refused
         task = request.headers.get(TASK_HEADER)
         mt = payload.get("max_tokens", payload.get("max_completion_tokens"))
         bucket = await d.predict(prompt_text, prompt_tokens, task, mt if type(mt) is int else None)
@@ -457,6 +460,20 @@ class Proxy:
         finally:
             router.finish(r)
 
+    async def _check_model(self, model: str) -> web.Response | None:
+        """The refusal of a request for ``model`` before dispatch, or None to go on: 404 when no
+        endpoint serves it and every list is known; 503 with ``Retry-After`` (reason
+        ``no_endpoint``, as when no ready endpoint serves a known model) while some endpoint's
+        list is still being read, after waiting up to ``router.no_endpoint_grace_s`` for it."""
+        verdict = await self.d.settle_model(model)
+        if verdict == "unknown":
+            return self._refuse(404, f"the model {model!r} does not exist; see GET /v1/models",
+                                "invalid_request_error", "not_found", code="model_not_found", param="model")
+        if verdict == "pending":
+            return self._refuse(503, f"no endpoint is known to serve the model {model!r} yet: model lists are "
+                                "still being read", "service_unavailable", "no_endpoint", retry_after=True)
+        return None
+
     def _validate(self, kind: str, body: bytes) -> tuple[dict, bool, int, str | None]:
         if not body:
             raise BadRequest("request body is empty; expected a JSON object")
@@ -471,9 +488,6 @@ class Proxy:
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise BadRequest("'model' is required and must be a non-empty string", "model")
-        if not self.d.model_allowed(model):
-            raise BadRequest(f"the model {model!r} does not exist; see GET /v1/models", "model", status=404,
-                             code="model_not_found")
         stream = payload.get("stream", False)
         if stream is None:
             stream = False

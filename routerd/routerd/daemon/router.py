@@ -287,6 +287,8 @@ class Router:
         self._known: frozenset[str] = frozenset()
         self._pending = False
         """Some present endpoint's list is being read (``EndpointState.models_pending``)."""
+        self._models_waiters: list[asyncio.Future] = []
+        """Woken when what serves which model was recomputed (:meth:`wait_models_change`)."""
         self._known_sorted: list[str] = []
         self.failure_cooldown_s = 1.0
         """First connect-failure cooldown of an endpoint (s); doubles per further failure."""
@@ -511,6 +513,11 @@ class Router:
                           for m in names | default}
         self._known = frozenset(names)
         self._known_sorted = sorted(names)
+        if self._models_waiters:
+            waiters, self._models_waiters = self._models_waiters, []
+            for f in waiters:
+                if not f.done():
+                    f.set_result(None)
 
     @property
     def several_models(self) -> bool:
@@ -524,6 +531,34 @@ class Router:
     def known_models(self) -> list[str]:
         """Every model some present endpoint is known to serve, sorted."""
         return list(self._known_sorted)
+
+    def model_verdict(self, model: str) -> str:
+        """Whether requests for ``model`` are taken: ``"ok"``; ``"unknown"`` (404: not in
+        ``models`` when set, else in no list while every list is known; any model is taken
+        while no model at all is known); ``"pending"`` (in no known list, but some endpoint's
+        list is still being read, e.g. a replacement pod in a rolling update: retryable 503)."""
+        allowed = self.default_models
+        if allowed:
+            return "ok" if model in allowed else "unknown"
+        known = self._known
+        if model in known or (not known and not self._pending):
+            return "ok"
+        return "pending" if self._pending else "unknown"
+
+    async def wait_models_change(self, timeout_s: float) -> None:
+        """Return when what serves which model is next recomputed (a list read, an endpoint
+        change), or after ``timeout_s`` (s), whichever is first."""
+        fut = asyncio.get_running_loop().create_future()
+        self._models_waiters.append(fut)
+        try:
+            await asyncio.wait((fut,), timeout=max(0.0, timeout_s))
+        finally:
+            if not fut.done():
+                fut.cancel()
+                try:
+                    self._models_waiters.remove(fut)
+                except ValueError:
+                    pass
 
     def _eps_for(self, model: str | None) -> list[EndpointState]:
         """The present endpoints that serve ``model`` (None: every one), precomputed by
