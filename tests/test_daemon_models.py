@@ -768,3 +768,33 @@ def test_with_a_grace_a_request_waits_for_the_list_being_read():
             await _stop_all(d, (a0, b1))
 
     asyncio.run(main())
+
+
+def test_grpc_route_reusing_a_request_id_for_another_model_is_refused():
+    """Route is idempotent for the same request; a request_id in flight for model-a reused for
+    model-b must not get model-a's endpoint (a0 does not serve model-b)."""
+    import grpc
+
+    from routerd.api.v1 import router_pb2, router_pb2_grpc
+
+    async def main():
+        a = await FakeBackend("a0", models=("model-a",)).start()
+        b = await FakeBackend("b0", models=("model-b",)).start()
+        d = await start_daemon([a, b], models=[])
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{d.grpc_port}") as ch:
+                stub = router_pb2_grpc.RouterServiceStub(ch)
+                r1 = await stub.Route(router_pb2.RouteRequest(request_id="x", model="model-a", prompt_tokens=5))
+                assert (r1.decision, r1.instance) == (router_pb2.RouteResponse.DISPATCH, "a0")
+                again = await stub.Route(router_pb2.RouteRequest(request_id="x", model="model-a", prompt_tokens=5))
+                assert (again.decision, again.instance) == (router_pb2.RouteResponse.DISPATCH, "a0")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Route(router_pb2.RouteRequest(request_id="x", model="model-b", prompt_tokens=5))
+                assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+                assert e.value.details() == ("request_id 'x' is in flight for the model 'model-a'; this Route "
+                                             "names the model 'model-b'")
+                assert list(d._grpc.servicer.inflight) == ["x"] and d.router.in_flight == 1
+        finally:
+            await _stop_all(d, (a, b))
+
+    asyncio.run(main())

@@ -6,7 +6,8 @@ request's features and answers DISPATCH (instance and URL), HOLD (ask again afte
 routerd's in-flight bookkeeping until ``ReportCompletion`` names its ``request_id``, or
 until ``grpc.report_timeout_s`` passes without one (counted in
 ``phasewise_grpc_unreported_total``), so a gateway that forgets to report cannot leak
-load (vllm-project/router#179). ``Route`` is idempotent per in-flight ``request_id``.
+load (vllm-project/router#179). ``Route`` is idempotent per in-flight ``request_id``; one
+naming another model than the booked request's is refused (ALREADY_EXISTS).
 
 Health: the overall status ("") and ``phasewise.v1.RouterService`` are SERVING while
 ``/readyz`` is ready, NOT_SERVING while draining or with no ready endpoint.
@@ -78,6 +79,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         booked = self.inflight.get(rid)
         if booked is not None:
             r = booked[0]
+            if r.model != model:
+                # Idempotence holds for the same request only: its endpoint may not serve this model.
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                    f"request_id {rid!r} is in flight for the model {r.model!r}; this Route names "
+                                    f"the model {model!r}")
             return self._dispatched(rid, r)
         tokens = request.prompt_tokens
         if tokens == 0 and request.prompt:
