@@ -798,3 +798,59 @@ def test_grpc_route_reusing_a_request_id_for_another_model_is_refused():
             await _stop_all(d, (a, b))
 
     asyncio.run(main())
+
+
+# -- a /v1/models answer is bounded ------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_oversized_model_list_is_not_buffered_and_leaves_the_list_unknown(chunked):
+    """A /v1/models answer over MAX_LIST_BYTES (with or without Content-Length): reported as no
+    usable list (None), and the server stops being read before the end of its body."""
+    from aiohttp import web
+
+    from daemon_fakes import serve_app
+    from routerd.daemon.models import MAX_LIST_BYTES, ModelLister
+
+    sent = []
+
+    async def huge(request):
+        head, tail = b'{"object":"list","data":[{"id":"', b'"}]}'
+        n = 4 * MAX_LIST_BYTES
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        if not chunked:
+            resp.content_length = len(head) + n + len(tail)
+        await resp.prepare(request)
+        await resp.write(head)
+        try:
+            for _ in range(n // (256 * 1024)):
+                await resp.write(b"x" * (256 * 1024))
+                sent.append(256 * 1024)
+            await resp.write(tail)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/v1/models", huge)
+        runner, port = await serve_app(app, handler_cancellation=True)
+        got = []
+        lister = ModelLister(lambda: [("e", f"http://127.0.0.1:{port}")], lambda n, ids: got.append((n, ids)))
+        try:
+            await lister.refresh()
+            assert got == [("e", None)]
+            assert (lister._failing, lister._no_list) == (set(), {"e"})  # not re-read every retry_s
+            assert sum(sent) < 4 * MAX_LIST_BYTES
+        finally:
+            await lister.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_model_ids_over_the_length_limit_are_ignored():
+    from routerd.daemon.models import MAX_ID_CHARS
+
+    ok, long_ = "m" * MAX_ID_CHARS, "m" * (MAX_ID_CHARS + 1)
+    body = json.dumps({"object": "list", "data": [{"id": "a"}, {"id": long_}, {"id": ok}]}).encode()
+    assert parse_models(body) == ["a", ok]

@@ -20,8 +20,17 @@ import aiohttp
 log = logging.getLogger("routerd.models")
 
 
+#: Largest ``/v1/models`` answer read (bytes): vLLM's, even with hundreds of LoRA adapters, is
+#: tens of KiB (about 200 bytes per entry); a larger one is a broken or hostile server, whose
+#: body must not be buffered whole (issue 15: 400 MB were, peak RSS 1.4 GB).
+MAX_LIST_BYTES = 4 * 1024 * 1024
+#: Longest model id kept from a list (characters); longer ids are ignored (no client names them,
+#: and each would be kept per endpoint and echoed in every ``/v1/models``).
+MAX_ID_CHARS = 1024
+
+
 def parse_models(body: bytes) -> list[str]:
-    """The model ids of an OpenAI ``/v1/models`` answer.
+    """The model ids of an OpenAI ``/v1/models`` answer, less ids over :data:`MAX_ID_CHARS`.
 
     Raises:
         ValueError: not JSON, no ``data`` list, or an entry without a string ``id``.
@@ -35,8 +44,23 @@ def parse_models(body: bytes) -> list[str]:
         mid = m.get("id") if isinstance(m, dict) else None
         if not isinstance(mid, str) or not mid:
             raise ValueError(f"data[{i}] has no string 'id'")
-        ids.append(mid)
+        if len(mid) <= MAX_ID_CHARS:
+            ids.append(mid)
     return ids
+
+
+async def _read_capped(resp: aiohttp.ClientResponse) -> bytes | None:
+    """``resp``'s body, or None as soon as it exceeds :data:`MAX_LIST_BYTES` (the rest is not
+    read; the connection is then closed, not reused)."""
+    if resp.content_length is not None and resp.content_length > MAX_LIST_BYTES:
+        return None
+    parts, size = [], 0
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        size += len(chunk)
+        if size > MAX_LIST_BYTES:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 #: What :meth:`ModelLister.fetch` returns when the endpoint could not be reached (connect error,
@@ -84,7 +108,8 @@ class ModelLister:
         self._failing: set[str] = set()
         """Endpoints whose last read failed (other than 404): read again every ``retry_s``."""
         self._no_list: set[str] = set()
-        """Endpoints whose ``/v1/models`` answered 404 (no such route): read every ``refresh_s`` only."""
+        """Endpoints whose ``/v1/models`` answered 404 (no such route) or more than
+        :data:`MAX_LIST_BYTES`: no list to wait for, read every ``refresh_s`` only."""
 
     async def _session_(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -99,11 +124,19 @@ class ModelLister:
         try:
             try:
                 async with session.get(url + "/v1/models", headers=self.headers) as r:
-                    body = await r.read()
                     status = r.status
+                    body = await _read_capped(r) if status == 200 else b""
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 unreachable = True
                 raise ValueError(str(e) or type(e).__name__) from None
+            if body is None:
+                # Reading it again every retry_s would download MAX_LIST_BYTES each time.
+                if name not in self._no_list:
+                    self._no_list.add(name)
+                    log.warning("endpoint %s: %s/v1/models answered more than %d bytes; its list is unknown "
+                                "(read again every %g s)", name, url, MAX_LIST_BYTES, self.refresh_s)
+                self._failing.discard(name)
+                return None
             if status == 404:
                 # No such route: this server has no model list (not vLLM), and asking again every
                 # retry_s would not change that; the periodic refresh still notices a new one.
