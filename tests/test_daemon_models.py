@@ -854,3 +854,62 @@ def test_model_ids_over_the_length_limit_are_ignored():
     ok, long_ = "m" * MAX_ID_CHARS, "m" * (MAX_ID_CHARS + 1)
     body = json.dumps({"object": "list", "data": [{"id": "a"}, {"id": long_}, {"id": ok}]}).encode()
     assert parse_models(body) == ["a", ok]
+
+
+# -- an adapter unloaded on one endpoint, loaded on another ------------------------------------------
+
+def test_a_backend_404_for_an_unloaded_adapter_is_retried_on_another_endpoint_serving_it():
+    """b0 unloads model-b-lora (its list still has it): its 404 is not relayed, the request goes
+    to b1, which serves it, and b0's list is read again, after which b0 gets none."""
+    async def main():
+        b0 = await FakeBackend("b0", models=("model-b", "model-b-lora")).start()
+        b1 = await FakeBackend("b1", models=("model-b", "model-b-lora")).start()
+        a0 = await FakeBackend("a0", models=("model-a",)).start()
+        for x in (a0, b0, b1):
+            x.reject_unknown_models = True
+        d = await start_daemon([a0, b0, b1], models=[], policy={"name": "round_robin"}, model_refresh_s=3600.0)
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                assert [await _post(s, base, "model-b-lora") for _ in range(2)] == [(200, "b0"), (200, "b1")]
+                b0.models = ["model-b"]
+                assert await _post(s, base, "model-b-lora") == (200, "b1")
+                assert b0.misrouted == 1  # it did reach b0, whose 404 the client never saw
+                await poll_until(lambda: d.router.by_name["b0"].discovered_models,
+                                 lambda m: m == frozenset({"model-b"}), 30.0, "b0's list read again")
+                assert [await _post(s, base, "model-b-lora") for _ in range(3)] == [(200, "b1")] * 3
+                assert b0.misrouted == 1
+            assert sample(d, "phasewise_requests_total", code="404") == 0
+        finally:
+            await _stop_all(d, (a0, b0, b1))
+
+    asyncio.run(main())
+
+
+def test_a_request_for_an_unknown_model_reads_the_lists_again_before_its_404(monkeypatch):
+    """lora-new is loaded on b1 after the lists were read: the first request for it triggers a
+    re-read of every list and is served; a name no list has is 404, and a burst of them causes
+    one re-read, not one per request."""
+    import routerd.daemon.app as app_mod
+
+    # The 1 s bound on the wait is for production; a loaded test machine must not turn it into a 404.
+    monkeypatch.setattr(app_mod, "UNKNOWN_MODEL_WAIT_S", 60.0)
+
+    async def main():
+        a0 = await FakeBackend("a0", models=("model-a",)).start()
+        b1 = await FakeBackend("b1", models=("model-b",)).start()
+        d = await start_daemon([a0, b1], models=[], model_refresh_s=3600.0)
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                b1.models = ["model-b", "lora-new"]
+                assert await _post(s, base, "lora-new") == (200, "b1")
+                assert (a0.models_reads, b1.models_reads) == (2, 2)
+                d._unknown_refresh_at = float("-inf")  # the rate limit's window over, without waiting 2 s
+                got = await asyncio.gather(*(_post(s, base, "nope") for _ in range(5)))
+                assert got == [(404, None)] * 5
+                assert (a0.models_reads, b1.models_reads) == (3, 3)
+        finally:
+            await _stop_all(d, (a0, b1))
+
+    asyncio.run(main())

@@ -36,6 +36,10 @@ from routerd.daemon.router import CheckpointConfigError, Router, build_routing_p
 log = logging.getLogger("routerd")
 
 _NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+#: Least time between two re-reads of every model list that requests for unknown models cause (s).
+UNKNOWN_MODEL_REFRESH_S = 2.0
+#: Longest a request for an unknown model waits for that re-read before its 404 (s).
+UNKNOWN_MODEL_WAIT_S = 1.0
 
 
 def load_profile(spec: str):
@@ -170,6 +174,9 @@ class Daemon:
         self.proxy = Proxy(self)
         self.model_lister = ModelLister(self._endpoints_to_list, self.router.set_discovered_models,
                                         refresh_s=settings.model_refresh_s)
+        self._unknown_refresh: asyncio.Future | None = None
+        self._unknown_refresh_at = float("-inf")
+        """Monotonic start of the last refresh triggered by a request for an unknown model (s)."""
 
     # -- start / stop ------------------------------------------------------------
     async def start(self) -> None:
@@ -421,6 +428,20 @@ class Daemon:
             return list(self.settings.models)
         return self.router.known_models()
 
+    def _refresh_for_unknown_model(self) -> asyncio.Future | None:
+        """The refresh of every list that a request for an unknown model may wait for: the one
+        under way, else a new one unless one started less than :data:`UNKNOWN_MODEL_REFRESH_S`
+        ago (clients naming bad models must not turn into a read storm); None when none."""
+        fut = self._unknown_refresh
+        if fut is not None and not fut.done():
+            return fut
+        now = time.monotonic()
+        if now - self._unknown_refresh_at < UNKNOWN_MODEL_REFRESH_S or not self._endpoints_to_list():
+            return None
+        self._unknown_refresh_at = now
+        self._unknown_refresh = fut = self.model_lister.refresh_all_soon()
+        return fut
+
     def model_allowed(self, model: str) -> bool:
         """Whether requests for ``model`` are accepted now (any model while none is known)."""
         return self.router.model_verdict(model) == "ok"
@@ -429,9 +450,20 @@ class Daemon:
         """:meth:`Router.model_verdict` of ``model``, once it is settled: while it is
         ``"pending"`` (a list still being read) wait for the lists up to
         ``router.no_endpoint_grace_s`` (s; 0 = answer at once), as a request waits for a ready
-        endpoint. Returns ``"ok"``, ``"unknown"`` (answer 404) or ``"pending"`` (answer 503)."""
+        endpoint. While it is ``"unknown"`` with ``models`` empty, every list is read again
+        (at most every :data:`UNKNOWN_MODEL_REFRESH_S`; a request arriving meanwhile joins that
+        read) and waited for up to :data:`UNKNOWN_MODEL_WAIT_S`, so a newly loaded adapter is
+        found without waiting for ``model_refresh_s``. Returns ``"ok"``, ``"unknown"`` (answer
+        404) or ``"pending"`` (answer 503)."""
         router = self.router
         verdict = router.model_verdict(model)
+        if verdict == "unknown" and not router.default_models:
+            # Perhaps an adapter loaded since the last read: read every list again (at most every
+            # UNKNOWN_MODEL_REFRESH_S) and decide on the fresh lists if they come in time.
+            fut = self._refresh_for_unknown_model()
+            if fut is not None:
+                await asyncio.wait((fut,), timeout=UNKNOWN_MODEL_WAIT_S)
+                verdict = router.model_verdict(model)
         if verdict == "pending" and router.no_endpoint_grace_s > 0.0:
             deadline = router.clock() + router.no_endpoint_grace_s
             while verdict == "pending" and router.clock() < deadline:

@@ -104,6 +104,8 @@ class ModelLister:
         self.headers = dict(headers or {})
         self._session: aiohttp.ClientSession | None = None
         self._poked: set[str] = set()
+        self._done: list[asyncio.Future] = []
+        """Resolved when the refresh after their :meth:`refresh_all_soon` has ended."""
         self._wake = asyncio.Event()
         self._failing: set[str] = set()
         """Endpoints whose last read failed (other than 404): read again every ``retry_s``."""
@@ -186,6 +188,14 @@ class ModelLister:
         self._poked.update(n for n, _ in self.endpoints())
         self._wake.set()
 
+    def refresh_all_soon(self) -> asyncio.Future:
+        """:meth:`poke_all`, and a future resolved once that refresh has ended (its lists
+        reported); :meth:`run` resolves it, so it stays pending while :meth:`run` is not running."""
+        fut = asyncio.get_running_loop().create_future()
+        self._done.append(fut)
+        self.poke_all()
+        return fut
+
     async def run(self) -> None:
         """Refresh everything every ``refresh_s``, poked endpoints as soon as poked, failing
         ones every ``retry_s``."""
@@ -202,19 +212,26 @@ class ModelLister:
             finally:
                 w.cancel()
             self._wake.clear()
-            now = loop.time()
-            if now >= next_full:
-                self._poked.clear()
-                await self.refresh()
-                next_full = loop.time() + self.refresh_s
-                next_retry = loop.time() + min(self.retry_s, self.refresh_s)
-                continue
-            todo, self._poked = self._poked, set()
-            if now >= next_retry:
-                todo |= self._failing
-                next_retry = now + min(self.retry_s, self.refresh_s)
-            if todo:
-                await self.refresh(todo)
+            # Taken with the pokes they came with: the refresh below answers them.
+            done, self._done = self._done, []
+            try:
+                now = loop.time()
+                if now >= next_full:
+                    self._poked.clear()
+                    await self.refresh()
+                    next_full = loop.time() + self.refresh_s
+                    next_retry = loop.time() + min(self.retry_s, self.refresh_s)
+                    continue
+                todo, self._poked = self._poked, set()
+                if now >= next_retry:
+                    todo |= self._failing
+                    next_retry = now + min(self.retry_s, self.refresh_s)
+                if todo:
+                    await self.refresh(todo)
+            finally:
+                for f in done:
+                    if not f.done():
+                        f.set_result(None)
 
     async def close(self) -> None:
         if self._session is not None:

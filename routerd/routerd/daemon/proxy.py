@@ -514,10 +514,40 @@ class Proxy:
         headers = self._upstream_headers(request)
         tried: set[str] = set()
         retries = 0
+        moved_on_404 = False
         while True:
             try:
                 ex = await pool.request(ep.target, path, headers, body)
-                break
+                if (ex.status != 404 or moved_on_404 or not router.several_models
+                        or not router.has_candidate(tried | {ep.name}, r.model)):
+                    break
+                # vLLM checks the model before running anything: a 404 here means this endpoint
+                # no longer serves it (an adapter unloaded) and the request never ran. Another
+                # endpoint serving it takes it, once; this one's list is read again. (With one
+                # model possible the lists decide nothing, and a 404 is relayed as it is.)
+                moved_on_404 = True
+                d.model_lister.poke(ep.name)
+                router.note_success(ep)
+                try:
+                    await ex.read()
+                except UpstreamError:
+                    pass
+                finally:
+                    ex.release()
+                log.info("instance %s answered 404 for the model %r; retrying on another one", ep.name, r.model)
+                tried.add(ep.name)
+                router.finish(r)
+                metrics.retries.inc()
+                r.reset_for_retry()
+                try:
+                    ep = await router.dispatch(r, frozenset(tried))
+                except RejectedError as e:
+                    return self._refuse(e.status, str(e), e.error_type, e.reason, retry_after=True)
+                except asyncio.CancelledError:
+                    metrics.client_disconnects.inc()
+                    metrics.count_response(499)
+                    raise
+                continue
             except asyncio.CancelledError:
                 metrics.client_disconnects.inc()
                 metrics.count_response(499)
