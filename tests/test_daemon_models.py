@@ -913,3 +913,32 @@ def test_a_request_for_an_unknown_model_reads_the_lists_again_before_its_404(mon
             await _stop_all(d, (a0, b1))
 
     asyncio.run(main())
+
+
+# -- per-model state goes with the model -------------------------------------------------------------
+
+def test_a_models_policy_is_dropped_when_no_endpoint_serves_it_any_more():
+    """Adapters under ever new names, each used once and unloaded: no policy outlives its model;
+    one still served keeps its policy (and its round-robin position)."""
+    from routerd.daemon.discovery import DiscoveredEndpoint
+
+    async def main():
+        router, _ = _router("round_robin", [])
+        router.set_endpoints([DiscoveredEndpoint(f"e{i}", f"http://10.0.0.{i}:8000") for i in range(2)])
+        for k in range(50):
+            ad = f"tenant-{k}-lora"
+            router.set_discovered_models("e0", ["base", ad])
+            router.set_discovered_models("e1", ["base", "other"])  # two models stay: several throughout
+            r = router.new_request(10, 0, model=ad)
+            assert router.try_dispatch_now(r).name == "e0"
+            router.finish(r)
+            r = router.new_request(10, 0, model="base")
+            assert router.try_dispatch_now(r).name == ["e0", "e1"][k % 2]  # base's own position survives
+            router.finish(r)
+            assert set(router._model_policies) == {"base", ad}
+            router.set_discovered_models("e0", ["base"])  # unloaded
+            assert set(router._model_policies) == {"base"}
+        assert set(router._rr) <= {"base"} and set(router._fallbacks_seen) <= {"base"}
+        router.close()
+
+    asyncio.run(main())

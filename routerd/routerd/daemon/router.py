@@ -513,11 +513,24 @@ class Router:
                           for m in names | default}
         self._known = frozenset(names)
         self._known_sorted = sorted(names)
+        self._drop_model_state()
         if self._models_waiters:
             waiters, self._models_waiters = self._models_waiters, []
             for f in waiters:
                 if not f.done():
                     f.set_result(None)
+
+    def _drop_model_state(self) -> None:
+        """Forget the policy (and round-robin position, fallback count, hold timer) of every
+        model no present endpoint serves any more and with no request queued, or of every
+        model when one model is possible: adapters come and go under ever new names, and each
+        policy may hold a prefix index. A request in flight keeps the policy that placed it
+        (``Inflight.policy``) for its ``on_complete``; a model served again starts fresh."""
+        keep = self._several
+        for state in (self._model_policies, self._fallbacks_seen, self._rr, self._idle_hold_since):
+            for key in [k for k in state if k is not None]:
+                if not keep or (not self._by_model.get(key) and self.queue.head(key) is None):
+                    del state[key]
 
     @property
     def several_models(self) -> bool:
