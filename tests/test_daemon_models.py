@@ -942,3 +942,44 @@ def test_a_models_policy_is_dropped_when_no_endpoint_serves_it_any_more():
         router.close()
 
     asyncio.run(main())
+
+
+# -- a client's long model name is cut in error messages ---------------------------------------------
+
+def test_shown_name_cuts_long_names():
+    from routerd.daemon.router import SHOWN_NAME_CHARS, shown_name
+
+    assert shown_name("model-a") == "'model-a'"
+    assert shown_name("m" * SHOWN_NAME_CHARS) == "'" + "m" * SHOWN_NAME_CHARS + "'"
+    assert shown_name("m" * (SHOWN_NAME_CHARS + 1)) == "'" + "m" * SHOWN_NAME_CHARS + "…'"
+
+
+def test_an_unknown_100_kb_model_name_is_not_found_with_a_short_message():
+    """HTTP 404 and gRPC NOT_FOUND (not RESOURCE_EXHAUSTED: a status message over the metadata
+    limit) for a 100,000-character unknown name, each message quoting at most 200 characters."""
+    import grpc
+
+    from routerd.api.v1 import router_pb2, router_pb2_grpc
+
+    async def main():
+        a = await FakeBackend("a0", models=("model-a",)).start()
+        b = await FakeBackend("b0", models=("model-b",)).start()
+        d = await start_daemon([a, b], models=[])
+        base = f"http://127.0.0.1:{d.http_port}"
+        name = "x" * 100_000
+        want = "'" + "x" * 200 + "…'"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(base + "/v1/completions", json={"model": name, "prompt": "p"}) as r:
+                    doc = await r.json()
+                assert (r.status, doc["error"]["message"]) == (404, f"the model {want} does not exist; see GET "
+                                                                    "/v1/models")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{d.grpc_port}") as ch:
+                stub = router_pb2_grpc.RouterServiceStub(ch)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Route(router_pb2.RouteRequest(request_id="r", model=name, prompt_tokens=3))
+                assert (e.value.code(), e.value.details()) == (grpc.StatusCode.NOT_FOUND, f"model {want} is not served")
+        finally:
+            await _stop_all(d, (a, b))
+
+    asyncio.run(main())

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from routerd.api.v1 import router_pb2, router_pb2_grpc
-from routerd.daemon.router import RejectedError
+from routerd.daemon.router import RejectedError, shown_name
 from routerd.model import bucket_of
 from routerd.tokens import count_text_tokens
 
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("routerd.grpc")
 
 SERVICE_NAME = "phasewise.v1.RouterService"
+#: Longest list of model names quoted in a status message (characters; 8 KiB of metadata in all).
+SHOWN_LIST_CHARS = 2000
 #: ``ListDecisions`` default when the request's limit is 0.
 DEFAULT_DECISIONS_LIMIT = 100
 #: Held request ids remembered (for their router wait); the oldest are forgotten beyond this.
@@ -64,7 +66,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if model is not None:
             verdict = await d.settle_model(model)
             if verdict == "unknown":
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served")
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"model {shown_name(model)} is not served")
             if verdict == "pending":
                 # A list is still being read (a pod joining): retryable, as "no endpoint" is.
                 return RouteResponse(request_id=rid, decision=RouteResponse.REJECT, reason="no_endpoint",
@@ -72,8 +74,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if model is None:
             if router.several_models:
                 # Which endpoints may take it depends on its model: guessing one would misroute.
+                listed = ", ".join(d.model_names())
+                if len(listed) > SHOWN_LIST_CHARS:
+                    listed = listed[:SHOWN_LIST_CHARS] + "…"  # hundreds of adapters: within the metadata limit
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required: this routerd serves "
-                                    f"several models ({', '.join(d.model_names())})")
+                                    f"several models ({listed})")
             names = d.model_names()
             model = names[0] if names else None  # the one served model, or none known (any endpoint)
         booked = self.inflight.get(rid)
@@ -82,8 +87,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             if r.model != model:
                 # Idempotence holds for the same request only: its endpoint may not serve this model.
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                    f"request_id {rid!r} is in flight for the model {r.model!r}; this Route names "
-                                    f"the model {model!r}")
+                                    f"request_id {shown_name(rid)} is in flight for the model {shown_name(r.model)}; "
+                                    f"this Route names the model {shown_name(model)}")
             return self._dispatched(rid, r)
         tokens = request.prompt_tokens
         if tokens == 0 and request.prompt:

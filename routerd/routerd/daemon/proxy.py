@@ -34,7 +34,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from routerd.daemon.router import RejectedError
+from routerd.daemon.router import RejectedError, shown_name
 from routerd.daemon.upstream import Exchange, UpstreamError, UpstreamPool, UpstreamTimeout
 from routerd.tokens import chat_prompt_text, count_text_tokens
 
@@ -467,11 +467,11 @@ class Proxy:
         list is still being read, after waiting up to ``router.no_endpoint_grace_s`` for it."""
         verdict = await self.d.settle_model(model)
         if verdict == "unknown":
-            return self._refuse(404, f"the model {model!r} does not exist; see GET /v1/models",
+            return self._refuse(404, f"the model {shown_name(model)} does not exist; see GET /v1/models",
                                 "invalid_request_error", "not_found", code="model_not_found", param="model")
         if verdict == "pending":
-            return self._refuse(503, f"no endpoint is known to serve the model {model!r} yet: model lists are "
-                                "still being read", "service_unavailable", "no_endpoint", retry_after=True)
+            return self._refuse(503, f"no endpoint is known to serve the model {shown_name(model)} yet: model "
+                                "lists are still being read", "service_unavailable", "no_endpoint", retry_after=True)
         return None
 
     def _validate(self, kind: str, body: bytes) -> tuple[dict, bool, int, str | None]:
@@ -534,7 +534,8 @@ class Proxy:
                     pass
                 finally:
                     ex.release()
-                log.info("instance %s answered 404 for the model %r; retrying on another one", ep.name, r.model)
+                log.info("instance %s answered 404 for the model %s; retrying on another one", ep.name,
+                         shown_name(r.model))
                 tried.add(ep.name)
                 router.finish(r)
                 metrics.retries.inc()

@@ -215,8 +215,22 @@ class _PolicySpec:
 _UNLISTED = object()
 
 
+#: Longest model name quoted in an error message (characters): a client may send any length,
+#: and a gRPC status message must fit the metadata limit (8 KiB by default; a 100 KB name
+#: turned NOT_FOUND into RESOURCE_EXHAUSTED).
+SHOWN_NAME_CHARS = 200
+
+
+def shown_name(name: str | None, limit: int = SHOWN_NAME_CHARS) -> str:
+    """``repr(name)`` for an error message, its text cut after ``limit`` characters with an
+    ellipsis (``'mmm…'``) so that the message stays short whatever the client sent."""
+    if name is not None and len(name) > limit:
+        return repr(name[:limit] + "…")
+    return repr(name)
+
+
 def _no_endpoint(model: str | None) -> str:
-    return "no ready endpoint" if model is None else f"no ready endpoint serves the model {model!r}"
+    return "no ready endpoint" if model is None else f"no ready endpoint serves the model {shown_name(model)}"
 
 
 def _as_index(choice: Any) -> int:
