@@ -57,8 +57,10 @@ def test_silent_slow_header_and_slow_body_clients_are_closed_and_normal_ones_ser
                     pass
 
             task = asyncio.create_task(dribble())
-            assert await _normal(base, 20) == [200] * 20  # served while the slow ones are open
-            assert sample(d, "phasewise_client_connections") >= 52
+            # Served beside the slow ones. (No gauge read here: on a loaded machine the 20
+            # requests can outlast the 1 s header timeout, and the gauge would already have
+            # dropped; the closed counts below show that all 51 were open and timed out.)
+            assert await _normal(base, 20) == [200] * 20
             # Closed within the bound plus a sweep (0.25 s); 8 s leaves room for a loaded machine.
             for r, _ in silent:
                 _, data = await _closed_within(r, 8.0)

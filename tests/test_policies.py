@@ -503,3 +503,42 @@ def test_policy_names_match_classes():
 
     assert policy_names() == list(POLICIES)
     assert all(POLICIES[n].name == n for n in policy_names())
+
+
+# --- near-ties (PolicyContext.near_tie, routerd's router.near_tie; issue 15) -------------------
+
+# Work per instance (JSQ's outstanding tokens, by hand: a decoding resident's remaining
+# predicted output): 100, 104, 120 tokens. Within 5% of 100: instances 0 and 1; 120 never.
+NEAR = [res(10, 0, 100.0), res(10, 0, 104.0), res(10, 0, 120.0)]
+
+
+@pytest.mark.parametrize("name", ["join_shortest_queue", "least_outstanding_tokens", "late_binding"])
+@pytest.mark.parametrize("near_tie, allowed", [(0.0, {0}), (0.05, {0, 1}), (0.25, {0, 1, 2})])
+def test_near_ties_pick_at_random_within_the_relative_width(name, near_tie, allowed):
+    # least_outstanding_tokens counts prompt + predicted output: 110, 114, 130 -> the same sets
+    # (4/110 = 3.6% <= 5%; 20/110 = 18% <= 25%).
+    picks = set()
+    for seed in range(40):
+        pol = build_policy(name, {}, PolicyContext(profile=TOY, num_instances=3, seed=seed, near_tie=near_tie))
+        picks.add(pol.pick(req(50, 50), view(*(inst(i, r) for i, r in enumerate(NEAR)))))
+    assert picks == allowed
+
+
+def test_near_ties_are_reproducible_for_a_seed():
+    def seq(seed):
+        pol = build_policy("join_shortest_queue", {},
+                           PolicyContext(profile=TOY, num_instances=3, seed=seed, near_tie=0.05))
+        return [pol.pick(req(50, 50), view(*(inst(i, r) for i, r in enumerate(NEAR)))) for _ in range(30)]
+
+    assert seq(3) == seq(3) and set(seq(3)) == {0, 1}
+
+
+def test_pick_near_best_zero_width_is_the_first_lowest():
+    import random
+
+    from routerd.policies.base import pick_near_best
+
+    rng = random.Random(0)
+    assert pick_near_best([(5.0, 2), (3.0, 0), (3.0, 1)], 0.0, rng) == 0  # first lowest in view order
+    assert pick_near_best([], 0.3, rng) is None
+    assert {pick_near_best([(0.0, 4), (0.0, 7), (1e-3, 9)], 0.5, rng) for _ in range(50)} == {4, 7}  # 0 * 1.5

@@ -88,3 +88,25 @@ def test_without_headroom_the_smaller_kv_deficit_wins():
     v = cv(eng(0, cached=8, total=100, used=100), eng(1, total=100, used=85))
     assert make("phasewise").pick(preq(160, P), v) == 1
     assert make("phasewise", preemption_weight=0.0).pick(preq(160, P), v) == 0
+
+
+def test_near_ties_of_cost_pick_at_random_within_the_relative_width():
+    from routerd.policies.base import PolicyContext
+    from routerd.policies.registry import build_policy
+    from test_policies import TOY
+
+    # 124 tokens of prefill queued on instance 0 (8 blocks cached) cost 0.016773 s, 0.05% under
+    # the idle instance 1's 0.016781 s: a near-tie at 1%, not at 0.01%.
+    c0, c1 = cost(8, 124, 1, 200), cost(0, 0, 0, 0)
+    assert c0 < c1 < c0 * 1.001
+
+    def picks(near_tie):
+        got = set()
+        for seed in range(40):
+            p = build_policy("phasewise", {}, PolicyContext(profile=TOY, num_instances=2, seed=seed, near_tie=near_tie))
+            got.add(p.pick(preq(160, P), cv(eng(0, res(100, pred=100), cached=8, pending=124), eng(1))))
+        return got
+
+    assert picks(0.0) == {0}
+    assert picks(0.0001) == {0}
+    assert picks(0.01) == {0, 1}

@@ -99,7 +99,8 @@ class _Built:
         self.edges = tuple(self.predictor.edges) if self.predictor is not None else PREDICTOR_BUCKET_EDGES
         self.policy_name = settings.policy.name
         try:
-            self.policy = build_routing_policy(settings.policy, self.profile, num_endpoints, self.edges)
+            self.policy = build_routing_policy(settings.policy, self.profile, num_endpoints, self.edges,
+                                               near_tie=settings.router.near_tie)
         except CheckpointConfigError as e:
             if not startup:
                 raise

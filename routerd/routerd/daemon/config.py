@@ -244,6 +244,13 @@ class RouterConfig(_Model):
     """Seed of the random order in which policies see their candidates (so ties go to a random
     instance, not the lowest index). None: a fresh seed per process, so that routerd replicas
     break ties differently (it is logged at start); set one to replay decisions exactly."""
+    near_tie: float = Field(default=0.05, ge=0.0, le=1.0)
+    """Relative width of a near-tie for ``join_shortest_queue``, ``least_outstanding_tokens``,
+    ``late_binding`` and ``phasewise``: an instance whose load score is within this fraction of
+    the best one's counts as tied, and one of those is chosen at random (seeded by the policy's
+    seed). Several replicas deciding on the same sidecar report then spread over near-equal
+    instances instead of all taking the strictly lightest; 0 keeps each policy's own rule (the
+    simulator's setting). Other policies follow their sources' rules."""
 
 
 class StateConfig(_Model):

@@ -77,9 +77,11 @@ class CheckpointConfigError(ConfigError):
 
 
 def build_routing_policy(cfg: "PolicyConfig", profile: "HardwareProfile", num_endpoints: int,
-                         bucket_edges: tuple[int, ...] = PREDICTOR_BUCKET_EDGES, *, seed: int = 0) -> RoutingPolicy:
+                         bucket_edges: tuple[int, ...] = PREDICTOR_BUCKET_EDGES, *, seed: int = 0,
+                         near_tie: float = 0.0) -> RoutingPolicy:
     """The policy named in ``cfg`` for a cluster of ``num_endpoints`` instances, its random
-    choices seeded by ``seed`` (``PolicyContext.seed``).
+    choices seeded by ``seed`` (``PolicyContext.seed``), near-ties as ``near_tie``
+    (``PolicyContext.near_tie``, routerd's ``router.near_tie``).
 
     A ``dqn`` policy is built for its checkpoint's instance count whatever the current
     count: while the live count differs it routes round robin itself (counted in its
@@ -99,7 +101,8 @@ def build_routing_policy(cfg: "PolicyConfig", profile: "HardwareProfile", num_en
             n = load_checkpoint(str(cfg.params.get("checkpoint", DEFAULT_CHECKPOINT))).num_instances
         except CheckpointError as e:
             raise CheckpointConfigError(f"policy: dqn: {e}") from None
-    ctx = PolicyContext(profile=profile, num_instances=n, seed=seed, bucket_edges=tuple(bucket_edges))
+    ctx = PolicyContext(profile=profile, num_instances=n, seed=seed, bucket_edges=tuple(bucket_edges),
+                        near_tie=near_tie)
     try:
         return build_policy(cfg.name, dict(cfg.params), ctx)
     except PolicyError as e:
@@ -811,9 +814,10 @@ class Router:
         n = len(self._eps_for(model))
         seed = model_seed(getattr(base.ctx, "seed", 0), model)
         edges = tuple(getattr(base.ctx, "bucket_edges", self.bucket_edges))
+        near_tie = getattr(base.ctx, "near_tie", 0.0)
         try:
             return build_routing_policy(_PolicySpec(base.name, base.params.model_dump()), self.profile, n, edges,
-                                        seed=seed)  # type: ignore[arg-type]
+                                        seed=seed, near_tie=near_tie)  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - a model without its policy still routes
             log.error("policy %s for model %r cannot be built (%s); routing it round robin", self.policy_name,
                       model, e)

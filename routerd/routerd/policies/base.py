@@ -173,6 +173,13 @@ class PolicyContext:
     num_instances: int
     seed: int = 0
     bucket_edges: tuple[int, ...] = field(default=PREDICTOR_BUCKET_EDGES)
+    near_tie: float = 0.0
+    """Relative width of a near-tie for the load-scoring policies (``join_shortest_queue``,
+    ``least_outstanding_tokens``, ``late_binding``, ``phasewise``): a candidate whose score is
+    at most ``best * (1 + near_tie)`` counts as tied with the best, and one of those is
+    picked at random (the policy's seeded generator). 0 (the simulator's setting): the best
+    alone, as each policy's source defines it. routerd sets ``router.near_tie`` so that
+    replicas deciding on the same stale view do not all pick the same instance (issue 15)."""
 
 
 class PolicySetupError(ValueError):
@@ -218,6 +225,23 @@ def queue_scores(instances: Sequence[InstanceView]) -> list[float]:
     lo, hi = min(waits), max(waits)
     span = hi - lo
     return [1.0 if span == 0 else (hi - w) / span for w in waits]
+
+
+def pick_near_best(scored: Sequence[tuple[float, int]], near_tie: float, rng: "random.Random") -> int | None:
+    """The instance index of the lowest score (>= 0, lower is better) among ``scored``
+    (score, index) pairs in view order, or None when it is empty.
+
+    ``near_tie`` 0: the first lowest, as the policies always chose (view order breaks exact
+    ties; routerd shuffles the view). ``near_tie`` > 0: uniformly one of those whose score is
+    at most ``best * (1 + near_tie)`` (see :attr:`PolicyContext.near_tie`).
+    """
+    if not scored:
+        return None
+    lo, first = min(scored, key=lambda x: x[0])
+    if near_tie <= 0.0:
+        return first
+    bound = lo * (1.0 + near_tie) + 1e-12
+    return pick_tie([i for s, i in scored if s <= bound], rng)
 
 
 def pick_tie(best: Sequence[int], rng: "random.Random") -> int:

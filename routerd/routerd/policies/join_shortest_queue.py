@@ -18,13 +18,17 @@ is done. :func:`outstanding_tokens` is shared with ``power_of_two_choices`` and
 
 from __future__ import annotations
 
+import random
+
 from routerd.policies.base import (
     ClusterView,
     InstanceView,
+    PolicyContext,
     PolicyParams,
     RequestFeatures,
     ResidentRequest,
     RoutingPolicy,
+    pick_near_best,
 )
 
 
@@ -67,16 +71,16 @@ class Params(PolicyParams):
 
 
 class JoinShortestQueue(RoutingPolicy):
-    """Least outstanding (predicted) work in tokens; ties to the lowest index; never holds."""
+    """Least outstanding (predicted) work in tokens; ties to the first in view order (near-ties
+    at random with ``ctx.near_tie``); never holds."""
 
     name = "join_shortest_queue"
     Params = Params
 
+    def __init__(self, ctx: PolicyContext, params: Params | None = None) -> None:
+        super().__init__(ctx, params)
+        self._rng = random.Random(ctx.seed)
+
     def pick(self, request: RequestFeatures, view: ClusterView) -> int | None:
-        best = None
-        best_work = 0.0
-        for inst in view.instances:
-            work = outstanding_tokens(inst)
-            if best is None or work < best_work:
-                best, best_work = inst.index, work
-        return best
+        scored = [(outstanding_tokens(inst), inst.index) for inst in view.instances]
+        return pick_near_best(scored, self.ctx.near_tie, self._rng)

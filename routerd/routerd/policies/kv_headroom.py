@@ -31,14 +31,18 @@ ties; with none fitting it holds (returns ``None``).
 
 from __future__ import annotations
 
+import random
+
 from pydantic import Field
 
 from routerd.policies.base import (
     ClusterView,
     InstanceView,
+    PolicyContext,
     PolicyParams,
     RequestFeatures,
     RoutingPolicy,
+    pick_near_best,
 )
 from routerd.policies.join_shortest_queue import outstanding_tokens
 
@@ -104,14 +108,17 @@ class LateBinding(RoutingPolicy):
     Params = Params
     params: Params
 
+    def __init__(self, ctx: PolicyContext, params: Params | None = None) -> None:
+        super().__init__(ctx, params)
+        self._rng = random.Random(ctx.seed)
+
     def pick(self, request: RequestFeatures, view: ClusterView) -> int | None:
         p = self.params
         profile = self.ctx.profile
         max_len = profile.max_model_len
         max_seqs = profile.max_num_seqs
         need_tokens = predicted_footprint_tokens(request.prompt_tokens, request.predicted_output_tokens, max_len)
-        best = None
-        best_work = 0.0
+        scored: list[tuple[float, int]] = []
         for inst in view.instances:
             if inst.num_waiting > p.max_waiting or inst.num_running + inst.num_waiting >= max_seqs:
                 continue
@@ -123,7 +130,5 @@ class LateBinding(RoutingPolicy):
                 committed = inst.kv_used_blocks + waiting_kv_blocks(inst)
             if need > usable - committed:
                 continue
-            work = outstanding_tokens(inst)
-            if best is None or work < best_work:
-                best, best_work = inst.index, work
-        return best
+            scored.append((outstanding_tokens(inst), inst.index))
+        return pick_near_best(scored, self.ctx.near_tie, self._rng)

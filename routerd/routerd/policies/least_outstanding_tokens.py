@@ -17,7 +17,16 @@ nearly-done long requests looks busier than under JSQ.
 
 from __future__ import annotations
 
-from routerd.policies.base import ClusterView, PolicyParams, RequestFeatures, RoutingPolicy
+import random
+
+from routerd.policies.base import (
+    ClusterView,
+    PolicyContext,
+    PolicyParams,
+    RequestFeatures,
+    RoutingPolicy,
+    pick_near_best,
+)
 
 
 class Params(PolicyParams):
@@ -29,22 +38,25 @@ class Params(PolicyParams):
 
 
 class LeastOutstandingTokens(RoutingPolicy):
-    """Least router-side in-flight tokens; ties to the lowest index; never holds."""
+    """Least router-side in-flight tokens; ties to the first in view order (near-ties at random
+    with ``ctx.near_tie``); never holds."""
 
     name = "least_outstanding_tokens"
     Params = Params
     params: Params
 
+    def __init__(self, ctx: PolicyContext, params: PolicyParams | None = None) -> None:
+        super().__init__(ctx, params)
+        self._rng = random.Random(ctx.seed)
+
     def pick(self, request: RequestFeatures, view: ClusterView) -> int | None:
         with_output = self.params.count_predicted_output
-        best = None
-        best_load = 0.0
+        scored: list[tuple[float, int]] = []
         for inst in view.instances:
             load = 0.0
             for r in inst.residents():
                 load += r.prompt_tokens
                 if with_output:
                     load += r.predicted_output_tokens
-            if best is None or load < best_load:
-                best, best_load = inst.index, load
-        return best
+            scored.append((load, inst.index))
+        return pick_near_best(scored, self.ctx.near_tie, self._rng)

@@ -124,10 +124,8 @@ class Phasewise(RoutingPolicy):
         prefix = request.prefix
         need_full = blocks_for(predicted_footprint_tokens(prompt, out, prof.max_model_len), bs)
         own_step = k_seq + k_ctx * (prompt + 0.5 * out)
-        best: list[int] = []
-        best_cost = 0.0
-        fallback: list[int] = []
-        fallback_cost = 0.0
+        fit: list[tuple[float, int]] = []
+        unfit: list[tuple[float, int]] = []
         for inst in view.instances:
             h = cached_blocks(inst, prefix, self._index, p.prefix_source) if prefix is not None else 0
             cached = bs * h
@@ -152,20 +150,14 @@ class Phasewise(RoutingPolicy):
             if deficit > 0:
                 # vLLM makes room by preempting and later recomputing about as many tokens.
                 cost += p.preemption_weight * deficit * bs * k
-            if fits:
-                if not best or cost < best_cost - 1e-12:
-                    best, best_cost = [inst.index], cost
-                elif cost <= best_cost + 1e-12:
-                    best.append(inst.index)
-            elif not best:
-                if not fallback or cost < fallback_cost - 1e-12:
-                    fallback, fallback_cost = [inst.index], cost
-                elif cost <= fallback_cost + 1e-12:
-                    fallback.append(inst.index)
-        choice_set = best or (None if p.hold else fallback)
-        if not choice_set:
+            (fit if fits else unfit).append((cost, inst.index))
+        # Exact ties (1e-12 s) always at random; near-ties too with ctx.near_tie.
+        scored = fit or (None if p.hold else unfit)
+        if not scored:
             return None
-        choice = pick_tie(choice_set, self._rng)
+        lo = min(c for c, _ in scored)
+        bound = lo + max(1e-12, self.ctx.near_tie * abs(lo))
+        choice = pick_tie([i for c, i in scored if c <= bound], self._rng)
         if prefix is not None:
             self._index.insert(choice, prefix, view.now)
         return choice
