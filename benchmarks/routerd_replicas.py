@@ -18,6 +18,7 @@ Every run uses the same requests (prompt lengths and max_tokens from ``--seed``)
 
 Usage: python benchmarks/routerd_replicas.py [--policies join_shortest_queue,late_binding,phasewise]
        [--replicas 1,2,3] [--clients 12] [--requests 8] [--tokens 64] [--seed 0] [--sequential]
+       [--seq-requests 20]
 """
 
 from __future__ import annotations
@@ -102,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="mean max_tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sequential", action="store_true", help="also one sequential client per replica")
+    ap.add_argument("--seq-requests", type=int, default=20,
+                    help="requests of each sequential client (an idle cluster: every decision a tie, so "
+                         "the split is random and needs a few hundred requests to be near even)")
     a = ap.parse_args(argv)
     rng = random.Random(a.seed)
     work = [[(rng.randint(200, 2000), max(8, int(rng.expovariate(1 / a.tokens)))) for _ in range(a.requests)]
             for _ in range(a.clients)]
-    seq_work = [[(rng.randint(200, 2000), max(8, int(rng.expovariate(1 / a.tokens)))) for _ in range(20)]
-                for _ in range(3)]
+    seq_work = [[(rng.randint(200, 2000), max(8, int(rng.expovariate(1 / a.tokens))))
+                 for _ in range(a.seq_requests)] for _ in range(3)]
     procs: list = []
     try:
         inst = start_instances(a.instances, procs)
