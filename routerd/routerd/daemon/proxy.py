@@ -23,6 +23,7 @@ connection so vLLM aborts the generation, for streaming and non-streaming reques
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import re
@@ -159,7 +160,7 @@ class _StreamRelay:
     """
 
     __slots__ = ("ctr", "chunked", "ex", "ep", "r", "events", "prev_nl", "at_boundary", "t_first", "t2",
-                 "client_gone", "paused", "_poll", "cr", "pending_cr")
+                 "client_gone", "paused", "_poll", "cr", "pending_cr", "tail_len")
 
     #: Client write buffer above which the upstream is paused (bytes; 262144 in ``sink``), and
     #: below which it resumes.
@@ -178,7 +179,8 @@ class _StreamRelay:
         self.cr = False  # a CR seen: the stream may end lines with CRLF or CR
         self.pending_cr = False  # the previous piece ended with CR
         self.t_first: float | None = None
-        self.t2 = b""
+        self.t2: collections.deque[bytes] = collections.deque()
+        self.tail_len = 0  # bytes in t2
         self.client_gone = False
         self.paused = False
         self._poll: asyncio.TimerHandle | None = None
@@ -251,13 +253,19 @@ class _StreamRelay:
     def _keep_tail(self, piece: bytes) -> None:
         # The stream's last bytes, whatever the read sizes: the final usage event and [DONE]
         # may come in many small reads (issue 15: two reads were kept, and such streams
-        # counted [DONE] and the usage event as tokens).
-        t = self.t2 + piece
-        self.t2 = t if len(t) <= _TAIL_BYTES else t[-_TAIL_BYTES:]
+        # counted [DONE] and the usage event as tokens). The pieces themselves are kept, not
+        # a joined copy: joining 2 KiB at every read cost 3 % of routerd's CPU per request
+        # (py-spy, benchmarks/routerd_overhead.py).
+        parts = self.t2
+        parts.append(piece)
+        size = self.tail_len + len(piece)
+        while size - len(parts[0]) >= _TAIL_BYTES:
+            size -= len(parts.popleft())
+        self.tail_len = size
 
     def tail(self) -> bytes:
         """The last ``_TAIL_BYTES`` bytes relayed: the final usage event and ``[DONE]``, however split."""
-        return self.t2
+        return b"".join(self.t2)[-_TAIL_BYTES:]
 
     def close(self) -> None:
         if self._poll is not None:
@@ -277,28 +285,33 @@ class Proxy:
     def build_app(self) -> web.Application:
         """The aiohttp application (routes only; the daemon runs it)."""
         self.max_body_bytes = self.d.settings.max_body_bytes
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._mark_busy])
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/healthz", self.healthz)
-        app.router.add_get("/readyz", self.readyz)
-        app.router.add_route("*", "/{tail:.*}", self.not_found)
+        app = web.Application(client_max_size=self.max_body_bytes)
+        busy = self._marking_busy
+        app.router.add_post("/v1/completions", busy(self.completions))
+        app.router.add_post("/v1/chat/completions", busy(self.chat_completions))
+        app.router.add_get("/v1/models", busy(self.models))
+        app.router.add_get("/metrics", busy(self.metrics))
+        app.router.add_get("/healthz", busy(self.healthz))
+        app.router.add_get("/readyz", busy(self.readyz))
+        app.router.add_route("*", "/{tail:.*}", busy(self.not_found))
         return app
 
-    @web.middleware
-    async def _mark_busy(self, request: web.Request, handler) -> web.StreamResponse:
-        """Tell the front-end limits (``frontend.py``) that this connection is handling a request."""
-        f = self.d.frontend
-        if f is None:
-            return await handler(request)
-        tr = request.transport
-        f.request_started(tr)
-        try:
-            return await handler(request)
-        finally:
-            f.request_ended(tr)
+    def _marking_busy(self, handler):
+        """``handler`` telling the front-end limits (``frontend.py``) that its connection is
+        handling a request. A wrapper per route rather than an aiohttp middleware: any
+        middleware puts aiohttp's middleware chain on every request, 2-3 % of routerd's CPU
+        (py-spy over benchmarks/routerd_overhead.py)."""
+        async def marked(request: web.Request) -> web.StreamResponse:
+            f = self.d.frontend
+            if f is None:
+                return await handler(request)
+            tr = request.transport
+            f.request_started(tr)
+            try:
+                return await handler(request)
+            finally:
+                f.request_ended(tr)
+        return marked
 
     async def open_pool(self) -> None:
         """Create the upstream connection pool (keep-alive, TCP_NODELAY)."""
@@ -417,8 +430,11 @@ class Proxy:
             return self._refuse(413, f"request body is {cl} bytes; the limit is {limit}", "invalid_request_error",
                                 "too_large", code="request_too_large")
         try:
-            body = await asyncio.wait_for(request.read(), d.settings.http.body_timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: wait_for wraps the read in a task of its own, 1 % of
+            # routerd's CPU per request (py-spy over benchmarks/routerd_overhead.py).
+            async with asyncio.timeout(d.settings.http.body_timeout_s):
+                body = await request.read()
+        except TimeoutError:
             resp = self._refuse(408, f"request body not received within {d.settings.http.body_timeout_s:g} s",
                                 "invalid_request_error", "body_timeout", code="request_timeout")
             resp.force_close()  # the rest of a half-sent body is not waited for
