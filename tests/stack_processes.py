@@ -502,3 +502,22 @@ async def poll_until(probe: Callable[[], Any], ok: Callable[[Any], bool], timeou
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not reached within {timeout_s} s; last value: {value!r}")
         await asyncio.sleep(interval_s)
+
+
+def client(s: "Stack", timeout_s: float = 60.0):
+    """The official ``openai`` client on ``s``'s routerd (no retries; ``timeout_s`` per request)."""
+    import openai
+
+    return openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=timeout_s)
+
+
+def aclient(s: "Stack", timeout_s: float = 60.0):
+    """The official ``openai`` async client on ``s``'s routerd (no retries; ``timeout_s`` per request)."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=timeout_s)
+
+
+def routerd_metrics(s: "Stack") -> list[tuple[str, dict[str, str], float]]:
+    """``s``'s routerd ``/metrics``, parsed (:func:`scrape`)."""
+    return scrape(s.url + "/metrics")

@@ -34,7 +34,7 @@ import openai
 import pytest
 
 from routerd.api.v1 import router_pb2, router_pb2_grpc
-from stack_processes import (Stack, await_until, http_get, http_post, marked_processes, metric_by, metric_sum,
+from stack_processes import (aclient, client, routerd_metrics, Stack, await_until, http_get, http_post, marked_processes, metric_by, metric_sum,
                              scrape, wait_until)
 
 MODEL = "llama-2-7b"
@@ -81,18 +81,6 @@ def router_state(s: Stack):
     """routerd's ``RouterService.GetState`` over gRPC."""
     with grpc.insecure_channel(s.grpc_address) as channel:
         return router_pb2_grpc.RouterServiceStub(channel).GetState(router_pb2.GetRouterStateRequest(), timeout=10)
-
-
-def client(s: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT_S)
-
-
-def aclient(s: Stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT_S)
-
-
-def routerd_metrics(s: Stack):
-    return scrape(s.url + "/metrics")
 
 
 def emulator_load(url: str) -> tuple[float, float]:

@@ -44,7 +44,7 @@ import pytest
 
 from routerd.daemon.config import servable_policies
 from routerd.policies.registry import POLICIES
-from stack_processes import (HungServer, Stack, http_get, http_post, metric_by, metric_sum, run_routerd, scrape,
+from stack_processes import (aclient, client, routerd_metrics, HungServer, Stack, http_get, http_post, metric_by, metric_sum, run_routerd, scrape,
                              wait_until)
 
 MODEL = "llama-2-7b"  # the emulator's default model name
@@ -78,18 +78,6 @@ def start_stack(tmp_path):
         tracebacks += [f"{p.name}:\n{p.log_text()[-4000:]}" for p in s.all_processes() if "Traceback" in p.log_text()]
     assert not leaks, f"processes left running after teardown: {leaks}"
     assert not tracebacks, "a process logged an exception:\n" + "\n".join(tracebacks)
-
-
-def client(s: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT_S)
-
-
-def aclient(s: Stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT_S)
-
-
-def routerd_metrics(s: Stack):
-    return scrape(s.url + "/metrics")
 
 
 def served_by_model(url: str) -> dict[str, float]:

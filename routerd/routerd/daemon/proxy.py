@@ -555,15 +555,10 @@ class Proxy:
                 tried.add(ep.name)
                 router.finish(r)
                 metrics.retries.inc()
-                r.reset_for_retry()
-                try:
-                    ep = await router.dispatch(r, frozenset(tried))
-                except RejectedError as e:
-                    return self._refuse(e.status, str(e), e.error_type, e.reason, retry_after=True)
-                except asyncio.CancelledError:
-                    metrics.client_disconnects.inc()
-                    metrics.count_response(499)
-                    raise
+                got = await self._redispatch(r, tried)
+                if isinstance(got, web.StreamResponse):
+                    return got
+                ep = got
                 continue
             except asyncio.CancelledError:
                 metrics.client_disconnects.inc()
@@ -595,15 +590,10 @@ class Proxy:
                                       "upstream_error", code="upstream_unreachable")
             retries += 1
             metrics.retries.inc()
-            r.reset_for_retry()
-            try:
-                ep = await router.dispatch(r, frozenset(tried))
-            except RejectedError as e:
-                return self._refuse(e.status, str(e), e.error_type, e.reason, retry_after=True)
-            except asyncio.CancelledError:
-                metrics.client_disconnects.inc()
-                metrics.count_response(499)
-                raise
+            got = await self._redispatch(r, tried)
+            if isinstance(got, web.StreamResponse):
+                return got
+            ep = got
         try:
             status = ex.status
             if status >= 500:
@@ -625,6 +615,20 @@ class Proxy:
         finally:
             # Not read to the end (client gone, error): closing the connection makes vLLM abort.
             ex.release()
+
+    async def _redispatch(self, r, tried: set[str]):
+        """Dispatch ``r`` again to an endpoint not in ``tried``: that endpoint, or the refusal
+        (a ``web.Response``) to answer with. A client gone meanwhile is counted (499) and its
+        cancellation raised."""
+        r.reset_for_retry()
+        try:
+            return await self.d.router.dispatch(r, frozenset(tried))
+        except RejectedError as e:
+            return self._refuse(e.status, str(e), e.error_type, e.reason, retry_after=True)
+        except asyncio.CancelledError:
+            self.d.metrics.client_disconnects.inc()
+            self.d.metrics.count_response(499)
+            raise
 
     @staticmethod
     def _response_headers(ex: Exchange) -> CIMultiDict:
