@@ -34,8 +34,8 @@ import openai
 import pytest
 
 from routerd.api.v1 import router_pb2, router_pb2_grpc
-from stack_processes import (aclient, client, routerd_metrics, Stack, await_until, http_get, http_post, marked_processes, metric_by, metric_sum,
-                             scrape, wait_until)
+from stack_processes import (Stack, aclient, await_until, client, http_get, http_post, marked_processes,
+                             metric_by, metric_sum, routerd_metrics, scrape, wait_until)
 
 MODEL = "llama-2-7b"
 PROFILE = "llama2-7b-a100"
