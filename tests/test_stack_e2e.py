@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import signal
 import time
 from collections import Counter
@@ -34,7 +33,7 @@ import openai
 import pytest
 
 from routerd.api.v1 import router_pb2, router_pb2_grpc
-from stack_processes import (Stack, aclient, await_until, client, http_get, http_post, marked_processes,
+from stack_processes import (Stack, aclient, await_until, client, http_get, http_post,
                              metric_by, metric_sum, routerd_metrics, scrape, wait_until)
 
 MODEL = "llama-2-7b"
@@ -54,13 +53,7 @@ def stack(tmp_path_factory, request):
     s.rejected = Counter()  # reason -> requests among them that routerd refuses itself
 
     def finalize() -> None:
-        s.close()
-        left = marked_processes(s.id)
-        for pid, _ in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        left = s.close_checked()
         assert not left, f"processes of the stack left running after teardown: {left}"
         assert all(not p.alive() for p in s.all_processes())
 
