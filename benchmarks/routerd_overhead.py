@@ -14,11 +14,18 @@ backends directly (clients split evenly), then through ``python -m routerd.daemo
 
 Usage: python benchmarks/routerd_overhead.py [--seconds 15] [--concurrency 128] [--tokens 64]
        [--policy round_robin] [--event-loop auto|asyncio|uvloop] [--router routerd|floor|floor-c]
-       [--predictors default[,none,...]]
+       [--predictors default[,none,...]] [--baseline PATH --rounds N]
 
 ``--predictors`` runs routerd once per predictor spec after the one direct run (so each
 is measured against the same baseline); ``default`` (routerd's default since issue #17)
 is the shipped n-gram model, ``none`` the setting of the figures measured before it.
+
+``--baseline PATH`` measures a second checkout's routerd (``PATH/routerd`` on its
+``PYTHONPATH``, e.g. a ``git worktree`` of the commit to compare against) in the same
+run: ``--rounds`` rounds of direct, this checkout and the baseline, the two routerds in
+ABBA order so that neither always runs first, and prints each figure's median and the
+ratio this/baseline. On a 2-core machine one run's added TTFT spreads 2-4x between
+runs of the same code (session 23: 9-38 ms), so a single pair says little.
 Targets: >= 95% of direct throughput, <= 3 ms added to p50 TTFT and E2E, <= 1.5 ms CPU/request.
 """
 
@@ -31,6 +38,7 @@ import os
 import shutil
 import subprocess
 import sys
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -250,6 +258,10 @@ def main() -> None:
                     help="prompt length in characters (the predictor reads up to 4,000)")
     ap.add_argument("--predictors", default="default",
                     help="comma-separated routerd --predictor specs, one routerd run each (routerd only)")
+    ap.add_argument("--baseline", default="",
+                    help="another checkout's root (e.g. a git worktree): its routerd is measured in the same run, "
+                         "alternating with this one's, and the ratios printed")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds with --baseline (each: direct, both routerds)")
     ap.add_argument("--mode", default="main", choices=["main", "backend", "load"], help=argparse.SUPPRESS)
     ap.add_argument("--ports", default="", help=argparse.SUPPRESS)
     ap.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
@@ -263,6 +275,15 @@ def main() -> None:
         return
     if a.prompt_chars < 1:
         ap.error("--prompt-chars must be >= 1")
+    if a.baseline:
+        if a.router != "routerd":
+            ap.error("--baseline compares two routerds: it needs --router routerd")
+        if not (Path(a.baseline) / "routerd" / "routerd" / "daemon").is_dir():
+            ap.error(f"--baseline {a.baseline}: no routerd/routerd/daemon there (give a checkout's root)")
+        if a.rounds < 1:
+            ap.error("--rounds must be >= 1")
+        compare(a)
+        return
     os.environ["PHASEWISE_BENCH_PROMPT_CHARS"] = str(a.prompt_chars)
     py = sys.executable
     me = str(Path(__file__).resolve())
@@ -315,6 +336,70 @@ def main() -> None:
               f"added p50 E2E {via['e2e_p50_ms'] - direct['e2e_p50_ms']:+.2f} ms  "
               f"CPU {via['cpu_ms_per_request']:.2f} ms/request (user {via['user_ms_per_request']:.2f}, "
               f"system {via['sys_ms_per_request']:.2f})")
+
+
+def _routerd_cmd(py: str, a, rp: int, b1: int, b2: int, spec: str) -> list[str]:
+    return [py, "-m", "routerd.daemon", "--host", "127.0.0.1", "--port", str(rp), "--no-grpc",
+            "--model", "m", "--policy", a.policy, "--log-level", "warning", "--predictor", spec,
+            "--endpoint", f"a=http://127.0.0.1:{b1}", "--endpoint", f"b=http://127.0.0.1:{b2}"]
+
+
+def compare(a) -> None:
+    """This checkout's routerd against ``a.baseline``'s, alternated over ``a.rounds`` rounds.
+
+    Each round loads the backends directly, then through both routerds (order ABBA over
+    rounds), so each routerd figure has a direct figure of the same round beside it.
+    Prints per-round rows and, per routerd, the median of throughput kept (% of direct),
+    added p50 TTFT and E2E (ms over direct) and CPU per request (ms), and the ratios
+    this/baseline of those medians.
+    """
+    py = sys.executable
+    me = str(Path(__file__).resolve())
+    spec = [x.strip() for x in a.predictors.split(",") if x.strip()][0]
+    roots = {"this": ROOT, "baseline": Path(a.baseline).resolve()}
+    b1, b2, rp = _free_ports(3)
+    load = [py, me, "--mode", "load", "--concurrency", str(a.concurrency), "--seconds", str(a.seconds),
+            "--warmup", str(a.warmup), "--tokens", str(a.tokens)]
+    rows: dict[str, list[dict]] = {"this": [], "baseline": []}
+    backends = [subprocess.Popen([py, me, "--mode", "backend", "--ports", str(p)]) for p in (b1, b2)]
+    try:
+        for p in (b1, b2):
+            _wait_port(p)
+        for k in range(a.rounds):
+            direct = json.loads(subprocess.check_output(load + ["--ports", f"{b1},{b2}"]))
+            order = ["this", "baseline"] if k % 2 == 0 else ["baseline", "this"]
+            for name in order:
+                env = {**os.environ, "PHASEWISE_EVENT_LOOP": a.event_loop, "PHASEWISE_RELOAD__WATCH": "false",
+                       "PYTHONPATH": str(roots[name] / "routerd") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+                router = subprocess.Popen(_routerd_cmd(py, a, rp, b1, b2, spec), env=env, cwd=str(roots[name]))
+                try:
+                    _wait_port(rp)
+                    via = json.loads(subprocess.check_output(load + ["--ports", str(rp), "--pid", str(router.pid)]))
+                finally:
+                    router.terminate()
+                    router.wait()
+                row = {"kept_pct": 100 * via["rps"] / direct["rps"],
+                       "added_ttft_ms": via["ttft_p50_ms"] - direct["ttft_p50_ms"],
+                       "added_e2e_ms": via["e2e_p50_ms"] - direct["e2e_p50_ms"],
+                       "cpu_ms": via["cpu_ms_per_request"]}
+                rows[name].append(row)
+                print(f"round {k + 1} {name:8s} kept {row['kept_pct']:5.1f}%  added p50 TTFT "
+                      f"{row['added_ttft_ms']:+6.2f} ms  added p50 E2E {row['added_e2e_ms']:+6.2f} ms  "
+                      f"CPU {row['cpu_ms']:.2f} ms/request", flush=True)
+    finally:
+        for p in backends:
+            p.terminate()
+        for p in backends:
+            p.wait()
+    print(f"setting: {a.concurrency} concurrent streams, {a.tokens} tokens at 5 ms after 20 ms, 2 backends, "
+          f"{a.seconds:g} s (+{a.warmup:g} s warm-up) x {a.rounds} rounds, policy {a.policy}; "
+          f"baseline {roots['baseline']}")
+    med = {n: {f: statistics.median(r[f] for r in rs) for f in rs[0]} for n, rs in rows.items()}
+    for f, label in (("kept_pct", "throughput kept (%)"), ("added_ttft_ms", "added p50 TTFT (ms)"),
+                     ("added_e2e_ms", "added p50 E2E (ms)"), ("cpu_ms", "CPU per request (ms)")):
+        t, b = med["this"][f], med["baseline"][f]
+        ratio = f"{t / b:.3f}" if b else "n/a"
+        print(f"median {label:22s} this {t:8.2f}  baseline {b:8.2f}  ratio {ratio}")
 
 
 if __name__ == "__main__":
