@@ -63,15 +63,19 @@ def test_the_pool_turns_an_unencodable_host_into_a_connect_error():
 
 @pytest.mark.parametrize("size", [1, 3, 7])
 def test_the_end_of_a_stream_is_recognised_however_small_its_reads(size):
-    stream = (b'data: {"choices": [{"text": "a"}]}\n\n' * 4
-              + b'data: {"choices": [], "usage": {"completion_tokens": 4}}\n\ndata: [DONE]\n\n')
-    relay = _StreamRelay(None, False, None, SimpleNamespace(on_tokens=lambda r, n: None), None)
+    # 9,000 bytes of tokens first: the kept tail is trimmed on the way (at 4 x 2 KiB).
+    stream = (b'data: {"choices": [{"text": "a"}]}\n\n' * 250
+              + b'data: {"choices": [], "usage": {"completion_tokens": 250}}\n\ndata: [DONE]\n\n')
+    ctr = SimpleNamespace(is_closing=lambda: False, write=lambda b: None, get_write_buffer_size=lambda: 0)
+    relay = _StreamRelay(ctr, False, None, SimpleNamespace(on_tokens=lambda r, n: None,
+                                                           on_first_token=lambda r: None), None)
     for i in range(0, len(stream), size):
-        relay._count(stream[i:i + size])
-        relay._keep_tail(stream[i:i + size])
+        relay.sink(stream[i:i + size])
     tail = relay.tail()
-    assert b"data: [DONE]" in tail and final_usage_tokens(tail) == 4
-    assert relay.events == 6  # 4 tokens + usage + [DONE]: the proxy subtracts the last two
+    assert b"data: [DONE]" in tail and final_usage_tokens(tail) == 250
+    assert tail == stream[-len(tail):] and len(tail) == 2048
+    assert len(relay.t2) <= 4 * 2048 + size
+    assert relay.events == 252  # 250 tokens + usage + [DONE]: the proxy subtracts the last two
 
 
 def test_hop_by_hop_response_headers_are_not_relayed():

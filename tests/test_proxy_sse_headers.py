@@ -16,12 +16,33 @@ class _Ep:
     def on_tokens(self, r, n: int) -> None:
         self.tokens += n
 
+    def on_first_token(self, r) -> None:
+        pass
+
+
+class _Client:
+    """The client transport the relay writes to (bytes kept)."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
 
 def _count(chunks: list[bytes]) -> tuple[int, bool]:
     ep = _Ep()
-    relay = _StreamRelay(None, False, None, ep, None)
+    ctr = _Client()
+    relay = _StreamRelay(ctr, False, None, ep, None)
     for c in chunks:
-        relay._count(c)
+        relay.sink(c)
+    assert bytes(ctr.out) == b"".join(chunks)
     assert relay.events == ep.tokens
     return relay.events, relay.at_boundary
 

@@ -23,7 +23,6 @@ connection so vLLM aborts the generation, for streaming and non-streaming reques
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import re
@@ -155,12 +154,12 @@ class _StreamRelay:
     """The per-chunk path of a streamed answer: count SSE events, write to the client, flow control.
 
     Runs inside the upstream connection's ``data_received``: no coroutine switch per chunk.
-    Events are counted at blank lines (:meth:`_count`), carrying the line ending that ends one
+    Events are counted at blank lines (:meth:`sink`, :meth:`_count_cr`), carrying the line ending that ends one
     chunk into the next, so an event split across network chunks counts once.
     """
 
     __slots__ = ("ctr", "chunked", "ex", "ep", "r", "events", "prev_nl", "at_boundary", "t_first", "t2",
-                 "client_gone", "paused", "_poll", "cr", "pending_cr", "tail_len")
+                 "client_gone", "paused", "_poll", "cr", "pending_cr")
 
     #: Client write buffer above which the upstream is paused (bytes; 262144 in ``sink``), and
     #: below which it resumes.
@@ -179,8 +178,7 @@ class _StreamRelay:
         self.cr = False  # a CR seen: the stream may end lines with CRLF or CR
         self.pending_cr = False  # the previous piece ended with CR
         self.t_first: float | None = None
-        self.t2: collections.deque[bytes] = collections.deque()
-        self.tail_len = 0  # bytes in t2
+        self.t2 = bytearray()  # the stream's last bytes (see sink)
         self.client_gone = False
         self.paused = False
         self._poll: asyncio.TimerHandle | None = None
@@ -189,8 +187,33 @@ class _StreamRelay:
         if self.t_first is None:
             self.t_first = time.monotonic()
             self.ep.on_first_token(self.r)
-        self._count(piece)
-        self._keep_tail(piece)
+        # Count the events that end in this piece; inline, since this runs once per token
+        # (a method call here and a deque of pieces for the tail cost routerd 5 % more CPU per
+        # request than the two-read tail before issue 15: py-spy over routerd_overhead.py).
+        if self.cr or 13 in piece:
+            self._count_cr(piece)
+        else:
+            n = piece.count(b"\n\n")
+            last_nl = piece[-1] == 10
+            if self.prev_nl and piece[0] == 10:
+                n += 1
+                self.at_boundary = last_nl and (len(piece) == 1 or piece[-2] == 10)
+            elif n:
+                self.at_boundary = last_nl and piece[-2] == 10
+            else:
+                self.at_boundary = False
+            if n:
+                self.events += n
+                self.ep.on_tokens(self.r, n)
+            self.prev_nl = last_nl
+        # The stream's last bytes, whatever the read sizes: the final usage event and [DONE]
+        # may come in many small reads (issue 15: two reads were kept, and such streams
+        # counted [DONE] and the usage event as tokens). One append per read, trimmed to
+        # _TAIL_BYTES once it reaches 4x that (amortised: a copy per ~6 KiB relayed).
+        t2 = self.t2
+        t2 += piece
+        if len(t2) > 4 * _TAIL_BYTES:
+            del t2[:-_TAIL_BYTES]
         ctr = self.ctr
         if ctr.is_closing():
             # The client went away: drop the upstream connection so the instance aborts.
@@ -207,22 +230,21 @@ class _StreamRelay:
             self.ex.pause()
             self._poll = asyncio.get_running_loop().call_later(0.01, self._check_drained)
 
-    def _count(self, piece: bytes) -> None:
-        """Count the events ``piece`` ends and note whether the stream now stands at a boundary.
+    def _count_cr(self, piece: bytes) -> None:
+        """:meth:`sink`'s event count for a stream that ends lines with CRLF or CR.
 
         An event ends at a blank line; lines end with CRLF, LF or CR (the SSE specification,
-        "Interpreting an event stream"). Streams in LF only (vLLM's) take the first branch; once
-        a CR is seen, pieces are rewritten to LF first, a CRLF split across two pieces included.
+        "Interpreting an event stream"). Streams in LF only (vLLM's) never come here; once a CR
+        is seen, pieces are rewritten to LF first, a CRLF split across two pieces included.
         """
+        self.cr = True
         lf = piece
-        if self.cr or 13 in piece:
-            self.cr = True
-            if self.pending_cr and piece[0] == 10:
-                lf = piece[1:]  # the LF of a CRLF whose CR ended the previous piece
-            self.pending_cr = piece[-1] == 13
-            lf = lf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-            if not lf:
-                return
+        if self.pending_cr and piece[0] == 10:
+            lf = piece[1:]  # the LF of a CRLF whose CR ended the previous piece
+        self.pending_cr = piece[-1] == 13
+        lf = lf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if not lf:
+            return
         n = lf.count(b"\n\n")
         last_nl = lf[-1] == 10
         if self.prev_nl and lf[0] == 10:
@@ -250,22 +272,9 @@ class _StreamRelay:
         else:
             self._poll = asyncio.get_running_loop().call_later(0.01, self._check_drained)
 
-    def _keep_tail(self, piece: bytes) -> None:
-        # The stream's last bytes, whatever the read sizes: the final usage event and [DONE]
-        # may come in many small reads (issue 15: two reads were kept, and such streams
-        # counted [DONE] and the usage event as tokens). The pieces themselves are kept, not
-        # a joined copy: joining 2 KiB at every read cost 3 % of routerd's CPU per request
-        # (py-spy, benchmarks/routerd_overhead.py).
-        parts = self.t2
-        parts.append(piece)
-        size = self.tail_len + len(piece)
-        while size - len(parts[0]) >= _TAIL_BYTES:
-            size -= len(parts.popleft())
-        self.tail_len = size
-
     def tail(self) -> bytes:
         """The last ``_TAIL_BYTES`` bytes relayed: the final usage event and ``[DONE]``, however split."""
-        return b"".join(self.t2)[-_TAIL_BYTES:]
+        return bytes(self.t2[-_TAIL_BYTES:])
 
     def close(self) -> None:
         if self._poll is not None:
@@ -430,10 +439,15 @@ class Proxy:
             return self._refuse(413, f"request body is {cl} bytes; the limit is {limit}", "invalid_request_error",
                                 "too_large", code="request_too_large")
         try:
-            # asyncio.timeout, not wait_for: wait_for wraps the read in a task of its own, 1 % of
-            # routerd's CPU per request (py-spy over benchmarks/routerd_overhead.py).
-            async with asyncio.timeout(d.settings.http.body_timeout_s):
+            if request.content.is_eof():
+                # The whole body came with the headers (most requests): nothing to wait for, and
+                # the timeout's set-up is 1 % of routerd's CPU per request (py-spy).
                 body = await request.read()
+            else:
+                # asyncio.timeout, not wait_for: wait_for wraps the read in a task of its own, 1 %
+                # of routerd's CPU per request (py-spy over benchmarks/routerd_overhead.py).
+                async with asyncio.timeout(d.settings.http.body_timeout_s):
+                    body = await request.read()
         except TimeoutError:
             resp = self._refuse(408, f"request body not received within {d.settings.http.body_timeout_s:g} s",
                                 "invalid_request_error", "body_timeout", code="request_timeout")
