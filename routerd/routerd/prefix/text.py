@@ -213,6 +213,21 @@ def token_prefix_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int, 
     return _blocks(_chain(_unit_hashes(_token_words(arr[: n * block_size], block_size)), root))
 
 
+def block_unit_ids(token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
+    """The 64-bit unit hash ``u_j`` of each full block of ``token_ids`` (the recurrence's input):
+    equal blocks have equal unit hashes wherever they stand (for tools that describe prompts as
+    content units, e.g. ``benchmarks/prefix_online.py`` handing the simulator the emulator's blocks).
+
+    Raises:
+        ValueError: ``block_size < 1`` or a token id outside 0 .. 2^32 - 1.
+    """
+    _check(block_size, None)
+    arr = _token_array(token_ids)
+    if len(arr) < block_size:
+        return []
+    return _unit_hashes(_token_words(arr, block_size)).tolist()
+
+
 def stored_block_keys(parent_key: int | None, token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
     """Keys of the full blocks of ``token_ids`` stored after the block keyed ``parent_key``.
 
