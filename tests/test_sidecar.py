@@ -161,6 +161,79 @@ def test_each_failure_is_reported_with_its_reason_and_the_last_good_values():
     run(main())
 
 
+def test_prefix_cache_hits_queries_and_rates_per_scrape():
+    """Cumulative totals and rate, the window since the previous good scrape, the last good figures
+    on a failure, and nothing at all from a server without the counters."""
+    import aiohttp
+
+    from routerd.sidecar.scraper import Scraper
+
+    def page(queries=None, hits=None):
+        engine = {"running": 1, "waiting": 0, "kv": 0.5}
+        if queries is not None:
+            engine.update(prefix_queries=queries, prefix_hits=hits)
+            return vllm_page(engines=[engine])
+        # vllm_page always writes the counters; an older server has none.
+        return "\n".join(line for line in vllm_page(engines=[engine]).splitlines()
+                         if "prefix_cache" not in line) + "\n"
+
+    def prefix(state):
+        return {f.name: v for f, v in state.ListFields() if f.name.startswith("prefix_cache")}
+
+    async def main():
+        metrics = await MetricsServer(page(1000, 250)).start()
+        scraper = Scraper(metrics.url, instance="vllm-0", timeout_s=2.0)
+        try:
+            async with aiohttp.ClientSession() as session:
+                t0 = time.monotonic()
+                first = await scraper.scrape_once(session)
+                assert prefix(first) == {"prefix_cache_queries_total": 1000, "prefix_cache_hits_total": 250,
+                                         "prefix_cache_hit_rate": 0.25}  # no window on the first scrape
+                metrics.text = page(1600, 700)
+                second = await scraper.scrape_once(session)
+                got = prefix(second)
+                assert 0 < got.pop("prefix_cache_window_s") <= time.monotonic() - t0  # between the two scrapes
+                assert got == {"prefix_cache_queries_total": 1600, "prefix_cache_hits_total": 700,
+                               "prefix_cache_hit_rate": 700 / 1600, "prefix_cache_window_queries": 600,
+                               "prefix_cache_window_hits": 450, "prefix_cache_window_hit_rate": 0.75}
+                metrics.status = 500
+                failed = await scraper.scrape_once(session)
+                assert not failed.healthy and prefix(failed) == prefix(second)  # the last good figures
+                metrics.status = 200
+                idle = await scraper.scrape_once(session)  # nothing queried since the last good scrape
+                assert (idle.prefix_cache_window_queries, idle.prefix_cache_window_hits) == (0, 0)
+                assert not idle.HasField("prefix_cache_window_hit_rate") and idle.prefix_cache_hit_rate == 700 / 1600
+                metrics.text = page()  # e.g. rolled back to a vLLM without the counters
+                old = await scraper.scrape_once(session)
+                assert old.healthy and prefix(old) == {}
+                metrics.text = page(50, 10)
+                back = await scraper.scrape_once(session)  # no window: the previous scrape had no counters
+                assert prefix(back) == {"prefix_cache_queries_total": 50, "prefix_cache_hits_total": 10,
+                                        "prefix_cache_hit_rate": 0.2}
+        finally:
+            await metrics.stop()
+
+    run(main())
+
+
+def test_prefix_cache_figures_reach_grpc_clients():
+    async def main():
+        metrics = await MetricsServer(vllm_page(engines=[{"running": 2, "waiting": 0, "kv": 0.5, "prefix_queries": 512,
+                                                          "prefix_hits": 128}])).start()
+        sidecar = Sidecar(metrics.url, listen="127.0.0.1:0", instance="vllm-0", interval_s=60.0)
+        port = await sidecar.start()
+        try:
+            await until(lambda: sidecar.scraper.scrapes >= 1, what="the first scrape")
+            state = await get_state(port)
+            assert (state.prefix_cache_queries_total, state.prefix_cache_hits_total) == (512, 128)
+            assert state.prefix_cache_hit_rate == 0.25 and not state.HasField("prefix_cache_window_queries")
+        finally:
+            await sidecar.stop()
+            await metrics.stop()
+
+    run(main())
+
+
 def test_an_unreachable_instance_is_not_serving_from_the_start(unused_port):
     async def main():
         sidecar = Sidecar(f"http://127.0.0.1:{unused_port}/metrics", listen="127.0.0.1:0", instance="gone",

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from routerd.api.v1.instance_state_pb2 import InstanceState
-from routerd.sidecar.metrics import MetricsParseError, VllmMetrics, parse_vllm_metrics
+from routerd.sidecar.metrics import MetricsParseError, VllmMetrics, parse_vllm_metrics, prefix_cache_window
 
 # An excerpt of a vLLM 0.11 V1 /metrics page, written by hand in the format of
 # prometheus_client (HELP/TYPE lines, counters exposed with _total plus a _created gauge,
@@ -42,6 +42,12 @@ vllm:engine_sleep_state{engine="0",model_name="Qwen/Qwen3-8B",sleep_state="weigh
 # HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
 # TYPE vllm:prefix_cache_queries_total counter
 vllm:prefix_cache_queries_total{engine="0",model_name="Qwen/Qwen3-8B"} 12345.0
+# HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_created gauge
+vllm:prefix_cache_queries_created{engine="0",model_name="Qwen/Qwen3-8B"} 1.7593536e+09
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="Qwen/Qwen3-8B"} 4096.0
 # HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
 # TYPE vllm:num_preemptions_total counter
 vllm:num_preemptions_total{engine="0",model_name="Qwen/Qwen3-8B"} 3.0
@@ -150,7 +156,8 @@ vllm:e2e_request_latency_seconds_sum{model_name="a"} 0
     (VLLM_0_11, VllmMetrics(
         num_requests_running=5, num_requests_waiting=2, kv_cache_usage=0.4375, num_preemptions_total=3,
         prompt_tokens_total=12345, generation_tokens_total=6789, request_success_total=40 + 7 + 1,
-        mean_ttft_s=6.0 / 48, mean_tpot_s=134.82 / 6741, mean_e2e_s=96.0 / 48, models=("Qwen/Qwen3-8B",))),
+        mean_ttft_s=6.0 / 48, mean_tpot_s=134.82 / 6741, mean_e2e_s=96.0 / 48, models=("Qwen/Qwen3-8B",),
+        prefix_cache_queries_total=12345, prefix_cache_hits_total=4096)),
     (VLLM_DEPRECATED, VllmMetrics(
         num_requests_running=1, num_requests_waiting=0, kv_cache_usage=0.8, mean_tpot_s=0.2 / 4,
         models=("llama",))),
@@ -209,6 +216,8 @@ def test_reads_what_prometheus_client_itself_exposes():
     preemptions = Counter("vllm:num_preemptions", "p", labels, registry=reg)  # exposed as ..._total
     success = Counter("vllm:request_success", "s", [*labels, "finished_reason"], registry=reg)
     ttft = Histogram("vllm:time_to_first_token_seconds", "t", labels, buckets=(0.1, 1.0), registry=reg)
+    queries = Counter("vllm:prefix_cache_queries", "q", labels, registry=reg)  # as vLLM declares them
+    hits = Counter("vllm:prefix_cache_hits", "h", labels, registry=reg)
     for engine, (running, kv, ttfts) in enumerate([(3, 0.2, [0.05, 0.5]), (1, 0.6, [2.0])]):
         lab = ("m", str(engine))
         gauges["vllm:num_requests_running"].labels(*lab).set(running)
@@ -219,7 +228,11 @@ def test_reads_what_prometheus_client_itself_exposes():
         success.labels(*lab, "length").inc()
         for t in ttfts:
             ttft.labels(*lab).observe(t)
+        queries.labels(*lab).inc(64 * (engine + 1))
+        hits.labels(*lab).inc(16)
     got = parse_vllm_metrics(generate_latest(reg).decode())
+    assert (got.prefix_cache_queries_total, got.prefix_cache_hits_total) == (64 + 128, 32)
+    assert got.prefix_cache_hit_rate == pytest.approx(32 / 192)
     assert (got.num_requests_running, got.num_requests_waiting) == (4, 1)
     assert got.kv_cache_usage == pytest.approx(0.4)
     assert (got.num_preemptions_total, got.request_success_total) == (4, 8)
@@ -258,6 +271,122 @@ def test_typical_page_is_about_200_lines_and_parses():
     assert got.mean_tpot_s == pytest.approx(1.6 / 80) and got.request_success_total == 16
 
 
+# -- prefix cache ---------------------------------------------------------------------------
+
+# vLLM 0.9-0.10 exposes the prefix-cache counters under both names (the gpu_ ones deprecated);
+# they differ here so that the test sees which pair is read.
+VLLM_BOTH_PREFIX_NAMES = VLLM_DEPRECATED + """\
+# TYPE vllm:gpu_prefix_cache_queries_total counter
+vllm:gpu_prefix_cache_queries_total{model_name="llama"} 999.0
+# TYPE vllm:gpu_prefix_cache_hits_total counter
+vllm:gpu_prefix_cache_hits_total{model_name="llama"} 111.0
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{model_name="llama"} 800.0
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{model_name="llama"} 200.0
+"""
+# vLLM 0.8: only the gpu_ names.
+VLLM_OLD_PREFIX_NAMES = VLLM_DEPRECATED + """\
+vllm:gpu_prefix_cache_queries_total{model_name="llama"} 640.0
+vllm:gpu_prefix_cache_hits_total{model_name="llama"} 160.0
+"""
+# Two data-parallel engines: counters add, the rate is the pooled one (not the mean of 0.5 and 0.1).
+VLLM_TWO_ENGINES_PREFIX = VLLM_TWO_ENGINES + """\
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 300.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 50.0
+vllm:prefix_cache_hits_total{engine="1",model_name="m"} 30.0
+"""
+# Prefix caching off (--no-enable-prefix-caching): vLLM still exports both counters, at 0.
+VLLM_CACHE_OFF = VLLM_DEPRECATED + """\
+vllm:prefix_cache_queries_total{model_name="llama"} 0.0
+vllm:prefix_cache_hits_total{model_name="llama"} 0.0
+"""
+
+
+@pytest.mark.parametrize("text, queries, hits, rate", [
+    (VLLM_0_11, 12345, 4096, 4096 / 12345),
+    (VLLM_BOTH_PREFIX_NAMES, 800, 200, 0.25),
+    (VLLM_OLD_PREFIX_NAMES, 640, 160, 0.25),
+    (VLLM_TWO_ENGINES_PREFIX, 400, 80, 0.2),
+    (VLLM_CACHE_OFF, 0, 0, None),
+], ids=["vllm-0.11", "both-names-current-wins", "gpu-names-only", "two-engines-pooled", "caching-off"])
+def test_prefix_cache_counters_and_cumulative_hit_rate(text, queries, hits, rate):
+    got = parse_vllm_metrics(text)
+    assert (got.prefix_cache_queries_total, got.prefix_cache_hits_total) == (queries, hits)
+    assert got.prefix_cache_hit_rate == (None if rate is None else pytest.approx(rate, rel=1e-12))
+    state = InstanceState.FromString(InstanceState(**got.as_fields()).SerializeToString())
+    assert state.HasField("prefix_cache_queries_total") and state.prefix_cache_queries_total == queries
+    assert state.HasField("prefix_cache_hits_total") and state.prefix_cache_hits_total == hits
+    assert state.HasField("prefix_cache_hit_rate") == (rate is not None)
+    if rate is not None:
+        assert state.prefix_cache_hit_rate == pytest.approx(rate, rel=1e-12)
+    assert not state.HasField("prefix_cache_window_queries")  # no window without a previous scrape
+
+
+@pytest.mark.parametrize("text", [
+    VLLM_DEPRECATED,
+    VLLM_UNTYPED,
+    # Half a pair is no rate: a page with queries but no hits (or the reverse) reports neither.
+    VLLM_DEPRECATED + 'vllm:prefix_cache_queries_total{model_name="llama"} 10.0\n',
+    VLLM_DEPRECATED + 'vllm:prefix_cache_hits_total{model_name="llama"} 10.0\n',
+    # One current name and one deprecated one are two different series, not a pair.
+    VLLM_DEPRECATED + 'vllm:prefix_cache_queries_total{model_name="llama"} 10.0\n'
+                      'vllm:gpu_prefix_cache_hits_total{model_name="llama"} 5.0\n',
+], ids=["none", "untyped", "queries-only", "hits-only", "mixed-names"])
+def test_a_page_without_the_prefix_counters_reports_nothing_not_zero(text):
+    got = parse_vllm_metrics(text)
+    assert got.prefix_cache_queries_total is None and got.prefix_cache_hits_total is None
+    assert got.prefix_cache_hit_rate is None
+    fields = got.as_fields()
+    assert not any(k.startswith("prefix_cache") for k in fields)
+    state = InstanceState.FromString(InstanceState(**fields).SerializeToString())
+    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_hit_rate",
+                 "prefix_cache_window_queries", "prefix_cache_window_hits", "prefix_cache_window_s",
+                 "prefix_cache_window_hit_rate"):
+        assert not state.HasField(name), name
+    # The window needs the counters on both sides.
+    with_counters = parse_vllm_metrics(VLLM_CACHE_OFF)
+    assert prefix_cache_window(got, with_counters, 1.0) is None
+    assert prefix_cache_window(with_counters, got, 1.0) is None
+    assert prefix_cache_window(None, with_counters, 1.0) is None
+
+
+def _prefix_page(queries: float, hits: float) -> VllmMetrics:
+    return parse_vllm_metrics(VLLM_DEPRECATED + f'vllm:prefix_cache_queries_total{{model_name="llama"}} {queries}\n'
+                              f'vllm:prefix_cache_hits_total{{model_name="llama"}} {hits}\n')
+
+
+@pytest.mark.parametrize("before, after, window", [
+    # 600 tokens queried since the previous scrape, 450 of them hits: 0.75 in the window,
+    # while the cumulative rate is 700 / 1600 = 0.4375.
+    ((1000, 250), (1600, 700), (600, 450, 0.75)),
+    # Nothing queried in between: counts 0, no rate (not 0, not the cumulative one).
+    ((1600, 700), (1600, 700), (0, 0, None)),
+    # The engine restarted (counters went down): the window is what it counted since, 50 / 200.
+    ((1600, 700), (200, 50), (200, 50, 0.25)),
+    # Only hits went down (a reset that the next queries already exceed): still a reset.
+    ((100, 90), (150, 10), (150, 10, 10 / 150)),
+], ids=["delta", "idle", "reset", "reset-hits-only"])
+def test_windowed_hit_rate_since_the_previous_scrape(before, after, window):
+    prev, cur = _prefix_page(*before), _prefix_page(*after)
+    w = prefix_cache_window(prev, cur, 0.25)
+    assert (w.queries, w.hits, w.seconds) == (window[0], window[1], 0.25)
+    assert w.hit_rate == (None if window[2] is None else pytest.approx(window[2], rel=1e-12))
+    state = InstanceState(**cur.as_fields(w))
+    assert (state.prefix_cache_window_queries, state.prefix_cache_window_hits, state.prefix_cache_window_s) == \
+        (window[0], window[1], 0.25)
+    assert state.HasField("prefix_cache_window_hit_rate") == (window[2] is not None)
+    assert state.prefix_cache_hit_rate == pytest.approx(after[1] / after[0], rel=1e-12)
+
+
+def test_hits_above_queries_clamp_the_rate_to_one():
+    """vLLM raises queries before hits, so a scrape between the two increments can see more
+    hits than queries in a window: a rate, never above 1."""
+    w = prefix_cache_window(_prefix_page(100, 50), _prefix_page(110, 70), 0.1)
+    assert (w.queries, w.hits, w.hit_rate) == (10, 20, 1.0)
+
+
 # -- pages served by the other sidecar tests ------------------------------------------------
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -274,7 +403,8 @@ def vllm_page(running: float = 0, waiting: float = 0, kv: float = 0.0, *, model:
     """A vLLM 0.11-style /metrics page of about 200 lines (one engine unless ``engines`` is given).
 
     Besides the values given, each engine reports 16 finished requests with TTFT sum 2 s
-    (mean 0.125 s) and E2E sum 40 s (mean 2.5 s) unless its dict overrides them.
+    (mean 0.125 s) and E2E sum 40 s (mean 2.5 s) unless its dict overrides them, and
+    prefix-cache counters ``prefix_queries`` / ``prefix_hits`` (default 0).
     """
     if engines is None:
         engines = [dict(running=running, waiting=waiting, kv=kv)]
@@ -298,8 +428,8 @@ def vllm_page(running: float = 0, waiting: float = 0, kv: float = 0.0, *, model:
                              ("vllm:kv_cache_usage_perc", "kv", "KV-cache usage. 1 means 100 percent usage.")):
         family(name, "gauge", help_, [f"{name}{{{lab[i]}}} {float(e[key])!r}" for i, e in enumerate(engines)])
     for name, key in (("vllm:num_preemptions", "preemptions"), ("vllm:prompt_tokens", "prompt_tokens"),
-                      ("vllm:generation_tokens", "generation_tokens"), ("vllm:prefix_cache_queries", ""),
-                      ("vllm:prefix_cache_hits", "")):
+                      ("vllm:generation_tokens", "generation_tokens"), ("vllm:prefix_cache_queries", "prefix_queries"),
+                      ("vllm:prefix_cache_hits", "prefix_hits")):
         family(f"{name}_total", "counter", "Counter",
                [f"{name}_total{{{lab[i]}}} {float(e.get(key, 0))!r}" for i, e in enumerate(engines)])
         family(f"{name}_created", "gauge", "Counter",

@@ -6,7 +6,14 @@ Metric names are those of vLLM V1 (``vllm/v1/metrics/loggers.py``; summary in
 - ``vllm:kv_cache_usage_perc``, else the deprecated ``vllm:gpu_cache_usage_perc``
   (renamed in vLLM 0.9);
 - ``vllm:inter_token_latency_seconds``, else the deprecated
-  ``vllm:time_per_output_token_seconds`` (deprecated in 0.11, hidden in 0.12).
+  ``vllm:time_per_output_token_seconds`` (deprecated in 0.11, hidden in 0.12);
+- ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (counters of
+  prompt tokens looked up in and found in the prefix cache), else the deprecated
+  ``vllm:gpu_prefix_cache_queries_total`` / ``..._hits_total`` (renamed in 0.9, hidden
+  later). Servers older than vLLM V1's prefix-cache counters have neither pair: the
+  prefix-cache values are then None ("not reported"), never 0. The KV-connector counters
+  ``vllm:external_prefix_cache_*`` (LMCache and the like) are not read: they count
+  another cache tier.
 
 Values are parsed with prometheus_client's text parser. A vLLM page is mostly histogram
 buckets and process metrics that the state does not need (about 170 of a typical 190
@@ -24,7 +31,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["MetricsParseError", "VllmMetrics", "parse_vllm_metrics"]
+__all__ = ["MetricsParseError", "PrefixCacheWindow", "VllmMetrics", "parse_vllm_metrics", "prefix_cache_window"]
 
 
 class MetricsParseError(ValueError):
@@ -44,8 +51,13 @@ _TTFT = "vllm:time_to_first_token_seconds"
 _ITL = "vllm:inter_token_latency_seconds"
 _TPOT_OLD = "vllm:time_per_output_token_seconds"
 _E2E = "vllm:e2e_request_latency_seconds"
+_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+_PREFIX_HITS = "vllm:prefix_cache_hits_total"
+_PREFIX_QUERIES_OLD = "vllm:gpu_prefix_cache_queries_total"
+_PREFIX_HITS_OLD = "vllm:gpu_prefix_cache_hits_total"
 
-_SIMPLE = (_RUNNING, _WAITING, _KV, _KV_OLD, _PREEMPTIONS, _PROMPT_TOKENS, _GENERATION_TOKENS, _SUCCESS)
+_SIMPLE = (_RUNNING, _WAITING, _KV, _KV_OLD, _PREEMPTIONS, _PROMPT_TOKENS, _GENERATION_TOKENS, _SUCCESS,
+           _PREFIX_QUERIES, _PREFIX_HITS, _PREFIX_QUERIES_OLD, _PREFIX_HITS_OLD)
 _HISTOGRAMS = (_TTFT, _ITL, _TPOT_OLD, _E2E)
 _WANTED = frozenset(_SIMPLE) | {h + s for h in _HISTOGRAMS for s in ("_sum", "_count")}
 
@@ -93,10 +105,26 @@ class VllmMetrics:
     """Mean end-to-end request latency since start, from ``vllm:e2e_request_latency_seconds`` (s)."""
     models: tuple[str, ...] = field(default=())
     """Served model names (``model_name`` label), sorted."""
+    prefix_cache_queries_total: float | None = None
+    """``vllm:prefix_cache_queries_total`` (or ``vllm:gpu_prefix_cache_queries_total``): prompt tokens
+    looked up in the prefix cache since start (tokens); None when the page lacks the pair."""
+    prefix_cache_hits_total: float | None = None
+    """``vllm:prefix_cache_hits_total`` (or ``vllm:gpu_prefix_cache_hits_total``): prompt tokens found
+    in the prefix cache since start (tokens); None exactly when ``prefix_cache_queries_total`` is."""
 
-    def as_fields(self) -> dict:
-        """The values as keyword arguments of ``phasewise.v1.InstanceState``."""
-        return {
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Cumulative hit rate since start, hits / queries (0..1; vLLM's own definition,
+        ``PrefixCachingMetrics.hit_rate``); None when not reported or no token was queried yet."""
+        return _rate(self.prefix_cache_hits_total, self.prefix_cache_queries_total)
+
+    def as_fields(self, window: "PrefixCacheWindow | None" = None) -> dict:
+        """The values as keyword arguments of ``phasewise.v1.InstanceState``.
+
+        The prefix-cache fields (proto3 ``optional``) are left out, so unset, when not
+        reported; ``window`` (from :func:`prefix_cache_window`) adds the windowed ones.
+        """
+        out = {
             "num_requests_running": self.num_requests_running,
             "num_requests_waiting": self.num_requests_waiting,
             "kv_cache_usage": self.kv_cache_usage,
@@ -109,6 +137,63 @@ class VllmMetrics:
             "mean_e2e_s": self.mean_e2e_s,
             "models": list(self.models),
         }
+        if self.prefix_cache_queries_total is not None and self.prefix_cache_hits_total is not None:
+            out["prefix_cache_queries_total"] = self.prefix_cache_queries_total
+            out["prefix_cache_hits_total"] = self.prefix_cache_hits_total
+            rate = self.prefix_cache_hit_rate
+            if rate is not None:
+                out["prefix_cache_hit_rate"] = rate
+        if window is not None:
+            out["prefix_cache_window_queries"] = window.queries
+            out["prefix_cache_window_hits"] = window.hits
+            out["prefix_cache_window_s"] = window.seconds
+            if window.hit_rate is not None:
+                out["prefix_cache_window_hit_rate"] = window.hit_rate
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheWindow:
+    """Prefix-cache counts between two successful scrapes of one instance (tokens), ``seconds`` apart."""
+
+    queries: float
+    """Prompt tokens looked up in the window."""
+    hits: float
+    """Prompt tokens found in the window."""
+    seconds: float
+    """Length of the window (s, the sidecar's monotonic clock)."""
+
+    @property
+    def hit_rate(self) -> float | None:
+        """hits / queries (0..1); None when no token was queried in the window."""
+        return _rate(self.hits, self.queries)
+
+
+def prefix_cache_window(previous: VllmMetrics | None, current: VllmMetrics, seconds: float) -> PrefixCacheWindow | None:
+    """The prefix-cache counts between scrape ``previous`` and scrape ``current``, ``seconds`` apart.
+
+    None when either scrape lacks the counters (the first scrape, or a server without
+    them). A counter that went down means the engine restarted and counts again from 0,
+    so the window is the current totals (Prometheus ``increase()`` treats a reset the
+    same way); both counters are taken as reset together, as they are in vLLM.
+    """
+    if current.prefix_cache_queries_total is None or current.prefix_cache_hits_total is None:
+        return None
+    if previous is None or previous.prefix_cache_queries_total is None or previous.prefix_cache_hits_total is None:
+        return None
+    dq = current.prefix_cache_queries_total - previous.prefix_cache_queries_total
+    dh = current.prefix_cache_hits_total - previous.prefix_cache_hits_total
+    if dq < 0 or dh < 0:
+        dq, dh = current.prefix_cache_queries_total, current.prefix_cache_hits_total
+    return PrefixCacheWindow(queries=dq, hits=dh, seconds=max(0.0, seconds))
+
+
+def _rate(hits: float | None, queries: float | None) -> float | None:
+    """hits / queries clamped to 0..1 (a page with hits > queries is inconsistent, not a rate above 1);
+    None when either is missing or queries is 0."""
+    if hits is None or queries is None or queries <= 0:
+        return None
+    return min(1.0, hits / queries)
 
 
 def parse_vllm_metrics(text: str) -> VllmMetrics:
@@ -149,6 +234,13 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
         raise MetricsParseError(f"no {', '.join(missing)} sample: not a vLLM /metrics page?")
     kv = _KV if _KV in counts else _KV_OLD
     itl = _ITL if _ITL + "_count" in counts else _TPOT_OLD
+    # Both counters of one naming or nothing: a rate from a current-name numerator and a
+    # deprecated-name denominator would mix two series.
+    prefix_queries = prefix_hits = None
+    for q, h in ((_PREFIX_QUERIES, _PREFIX_HITS), (_PREFIX_QUERIES_OLD, _PREFIX_HITS_OLD)):
+        if q in counts and h in counts:
+            prefix_queries, prefix_hits = sums[q], sums[h]
+            break
 
     def mean(hist: str) -> float:
         n = sums.get(hist + "_count", 0.0)
@@ -166,6 +258,8 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
         mean_tpot_s=mean(itl),
         mean_e2e_s=mean(_E2E),
         models=tuple(sorted(models)),
+        prefix_cache_queries_total=prefix_queries,
+        prefix_cache_hits_total=prefix_hits,
     )
 
 

@@ -12,7 +12,8 @@ import aiohttp
 from routerd.api.v1.instance_state_pb2 import InstanceState
 from routerd.sidecar.board import StateBoard
 from routerd.sidecar.config import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S
-from routerd.sidecar.metrics import MetricsParseError, VllmMetrics, parse_vllm_metrics
+from routerd.sidecar.metrics import (MetricsParseError, PrefixCacheWindow, VllmMetrics, parse_vllm_metrics,
+                                     prefix_cache_window)
 
 __all__ = ["Scraper", "DEFAULT_INTERVAL_S", "DEFAULT_TIMEOUT_S"]
 
@@ -43,6 +44,12 @@ class Scraper:
     Scrapes never overlap: after one that ran longer than ``interval_s`` the next starts
     at once.
 
+    Prefix-cache figures (when the page has vLLM's prefix-cache counters): the cumulative
+    totals and hit rate since the engine started, and the windowed counts and hit rate
+    between the previous successful scrape and this one (``prefix_cache_window_*``,
+    :func:`~routerd.sidecar.metrics.prefix_cache_window`). A failed scrape repeats the
+    last good scrape's figures, window included.
+
     The request asks for the plain text format without compression: on loopback gzip
     only costs CPU in the vLLM API server and here.
     """
@@ -66,6 +73,9 @@ class Scraper:
         self.timeout_s = timeout_s
         self._on_health_change = on_health_change
         self._last_good = VllmMetrics()
+        self._last_good_at: float | None = None
+        """Monotonic time (s) of the last successful scrape, None before one."""
+        self._window: PrefixCacheWindow | None = None
         self._scrapes = 0
         self.board = StateBoard(
             InstanceState(instance=instance, endpoint=endpoint, healthy=False, error="not scraped yet")
@@ -100,7 +110,13 @@ class Scraper:
         error = ""
         try:
             text = await self._fetch(session)
-            self._last_good = parse_vllm_metrics(text)
+            metrics = parse_vllm_metrics(text)
+            now = time.monotonic()
+            if self._last_good_at is None:
+                self._window = None
+            else:
+                self._window = prefix_cache_window(self._last_good, metrics, now - self._last_good_at)
+            self._last_good, self._last_good_at = metrics, now
         except MetricsParseError as e:
             error = f"bad metrics from {self.metrics_url}: {e}"
         except (TimeoutError, asyncio.TimeoutError):
@@ -124,7 +140,7 @@ class Scraper:
             sequence=next(_SEQUENCE),
             healthy=not error,
             error=error,
-            **self._last_good.as_fields(),
+            **self._last_good.as_fields(self._window),
         )
         self.board.post(state)
         if self._on_health_change is not None and (first or state.healthy != previous.healthy):

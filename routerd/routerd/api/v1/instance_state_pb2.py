@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!phasewise/v1/instance_state.proto\x12\x0cphasewise.v1\"\x9e\x03\n\rInstanceState\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x19\n\x11scraped_at_unix_s\x18\x03 \x01(\x01\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x0f\n\x07healthy\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x1c\n\x14num_requests_running\x18\n \x01(\x01\x12\x1c\n\x14num_requests_waiting\x18\x0b \x01(\x01\x12\x16\n\x0ekv_cache_usage\x18\x0c \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\r \x01(\x01\x12\x1b\n\x13prompt_tokens_total\x18\x0e \x01(\x01\x12\x1f\n\x17generation_tokens_total\x18\x0f \x01(\x01\x12\x13\n\x0bmean_ttft_s\x18\x10 \x01(\x01\x12\x13\n\x0bmean_tpot_s\x18\x11 \x01(\x01\x12\x12\n\nmean_e2e_s\x18\x12 \x01(\x01\x12\x1d\n\x15request_success_total\x18\x13 \x01(\x01\x12\x0e\n\x06models\x18\x14 \x03(\t\"\x11\n\x0fGetStateRequest\"+\n\x11WatchStateRequest\x12\x16\n\x0emin_interval_s\x18\x01 \x01(\x01\x32\xac\x01\n\x14InstanceStateService\x12\x46\n\x08GetState\x12\x1d.phasewise.v1.GetStateRequest\x1a\x1b.phasewise.v1.InstanceState\x12L\n\nWatchState\x12\x1f.phasewise.v1.WatchStateRequest\x1a\x1b.phasewise.v1.InstanceState0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!phasewise/v1/instance_state.proto\x12\x0cphasewise.v1\"\xfe\x06\n\rInstanceState\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x19\n\x11scraped_at_unix_s\x18\x03 \x01(\x01\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x0f\n\x07healthy\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x1c\n\x14num_requests_running\x18\n \x01(\x01\x12\x1c\n\x14num_requests_waiting\x18\x0b \x01(\x01\x12\x16\n\x0ekv_cache_usage\x18\x0c \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\r \x01(\x01\x12\x1b\n\x13prompt_tokens_total\x18\x0e \x01(\x01\x12\x1f\n\x17generation_tokens_total\x18\x0f \x01(\x01\x12\x13\n\x0bmean_ttft_s\x18\x10 \x01(\x01\x12\x13\n\x0bmean_tpot_s\x18\x11 \x01(\x01\x12\x12\n\nmean_e2e_s\x18\x12 \x01(\x01\x12\x1d\n\x15request_success_total\x18\x13 \x01(\x01\x12\x0e\n\x06models\x18\x14 \x03(\t\x12\'\n\x1aprefix_cache_queries_total\x18\x15 \x01(\x01H\x00\x88\x01\x01\x12$\n\x17prefix_cache_hits_total\x18\x16 \x01(\x01H\x01\x88\x01\x01\x12\"\n\x15prefix_cache_hit_rate\x18\x17 \x01(\x01H\x02\x88\x01\x01\x12(\n\x1bprefix_cache_window_queries\x18\x18 \x01(\x01H\x03\x88\x01\x01\x12%\n\x18prefix_cache_window_hits\x18\x19 \x01(\x01H\x04\x88\x01\x01\x12\"\n\x15prefix_cache_window_s\x18\x1a \x01(\x01H\x05\x88\x01\x01\x12)\n\x1cprefix_cache_window_hit_rate\x18\x1b \x01(\x01H\x06\x88\x01\x01\x42\x1d\n\x1b_prefix_cache_queries_totalB\x1a\n\x18_prefix_cache_hits_totalB\x18\n\x16_prefix_cache_hit_rateB\x1e\n\x1c_prefix_cache_window_queriesB\x1b\n\x19_prefix_cache_window_hitsB\x18\n\x16_prefix_cache_window_sB\x1f\n\x1d_prefix_cache_window_hit_rate\"\x11\n\x0fGetStateRequest\"+\n\x11WatchStateRequest\x12\x16\n\x0emin_interval_s\x18\x01 \x01(\x01\x32\xac\x01\n\x14InstanceStateService\x12\x46\n\x08GetState\x12\x1d.phasewise.v1.GetStateRequest\x1a\x1b.phasewise.v1.InstanceState\x12L\n\nWatchState\x12\x1f.phasewise.v1.WatchStateRequest\x1a\x1b.phasewise.v1.InstanceState0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'phasewise.v1.instance_state
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INSTANCESTATE']._serialized_start=52
-  _globals['_INSTANCESTATE']._serialized_end=466
-  _globals['_GETSTATEREQUEST']._serialized_start=468
-  _globals['_GETSTATEREQUEST']._serialized_end=485
-  _globals['_WATCHSTATEREQUEST']._serialized_start=487
-  _globals['_WATCHSTATEREQUEST']._serialized_end=530
-  _globals['_INSTANCESTATESERVICE']._serialized_start=533
-  _globals['_INSTANCESTATESERVICE']._serialized_end=705
+  _globals['_INSTANCESTATE']._serialized_end=946
+  _globals['_GETSTATEREQUEST']._serialized_start=948
+  _globals['_GETSTATEREQUEST']._serialized_end=965
+  _globals['_WATCHSTATEREQUEST']._serialized_start=967
+  _globals['_WATCHSTATEREQUEST']._serialized_end=1010
+  _globals['_INSTANCESTATESERVICE']._serialized_start=1013
+  _globals['_INSTANCESTATESERVICE']._serialized_end=1185
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class InstanceState(_message.Message):
-    __slots__ = ("instance", "endpoint", "scraped_at_unix_s", "sequence", "healthy", "error", "num_requests_running", "num_requests_waiting", "kv_cache_usage", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "mean_ttft_s", "mean_tpot_s", "mean_e2e_s", "request_success_total", "models")
+    __slots__ = ("instance", "endpoint", "scraped_at_unix_s", "sequence", "healthy", "error", "num_requests_running", "num_requests_waiting", "kv_cache_usage", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "mean_ttft_s", "mean_tpot_s", "mean_e2e_s", "request_success_total", "models", "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_hit_rate", "prefix_cache_window_queries", "prefix_cache_window_hits", "prefix_cache_window_s", "prefix_cache_window_hit_rate")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     SCRAPED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,13 @@ class InstanceState(_message.Message):
     MEAN_E2E_S_FIELD_NUMBER: _ClassVar[int]
     REQUEST_SUCCESS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_WINDOW_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_WINDOW_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_WINDOW_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     instance: str
     endpoint: str
     scraped_at_unix_s: float
@@ -43,7 +50,14 @@ class InstanceState(_message.Message):
     mean_e2e_s: float
     request_success_total: float
     models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, instance: _Optional[str] = ..., endpoint: _Optional[str] = ..., scraped_at_unix_s: _Optional[float] = ..., sequence: _Optional[int] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ..., num_requests_running: _Optional[float] = ..., num_requests_waiting: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions_total: _Optional[float] = ..., prompt_tokens_total: _Optional[float] = ..., generation_tokens_total: _Optional[float] = ..., mean_ttft_s: _Optional[float] = ..., mean_tpot_s: _Optional[float] = ..., mean_e2e_s: _Optional[float] = ..., request_success_total: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+    prefix_cache_queries_total: float
+    prefix_cache_hits_total: float
+    prefix_cache_hit_rate: float
+    prefix_cache_window_queries: float
+    prefix_cache_window_hits: float
+    prefix_cache_window_s: float
+    prefix_cache_window_hit_rate: float
+    def __init__(self, instance: _Optional[str] = ..., endpoint: _Optional[str] = ..., scraped_at_unix_s: _Optional[float] = ..., sequence: _Optional[int] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ..., num_requests_running: _Optional[float] = ..., num_requests_waiting: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions_total: _Optional[float] = ..., prompt_tokens_total: _Optional[float] = ..., generation_tokens_total: _Optional[float] = ..., mean_ttft_s: _Optional[float] = ..., mean_tpot_s: _Optional[float] = ..., mean_e2e_s: _Optional[float] = ..., request_success_total: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ..., prefix_cache_queries_total: _Optional[float] = ..., prefix_cache_hits_total: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_window_queries: _Optional[float] = ..., prefix_cache_window_hits: _Optional[float] = ..., prefix_cache_window_s: _Optional[float] = ..., prefix_cache_window_hit_rate: _Optional[float] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
     __slots__ = ()
