@@ -219,6 +219,8 @@ def _pairs():
     yield "hardwareProfile.inline", props["hardwareProfile"]["properties"]["inline"], InlineProfile
     yield "routing", props["routing"], S.RoutingSpec
     yield "routing.checkpoint", props["routing"]["properties"]["checkpoint"], S.CheckpointRef
+    yield "routing.prefix", props["routing"]["properties"]["prefix"], S.PrefixSpec
+    yield "routing.prefix.kvEvents", props["routing"]["properties"]["prefix"]["properties"]["kvEvents"], S.KvEventsSpec
     yield "predictor", props["predictor"], S.PredictorSpec
     yield "predictor.pvc", props["predictor"]["properties"]["persistentVolumeClaim"], S.PredictorVolume
     yield "routerd", props["routerd"], S.RouterdSpec
@@ -290,6 +292,12 @@ VALID_POOLS = {
     "predictor": {"model": {"name": "m"}, "predictor": {"persistentVolumeClaim": {"claimName": "pred", "path": "v1"}}},
     "predictor off": {"model": {"name": "m"}, "predictor": {"name": "none"}},
     "predictor baseline": {"model": {"name": "m"}, "predictor": {"name": "task-prior"}},
+    "prefix precise": {"model": {"name": "m"}, "routing": {"prefix": {
+        "mode": "precise", "blockSize": 16, "chunkBlocks": 4, "maxPromptTokens": 131072,
+        "indexCapacityBlocks": 262144, "tokenizer": "bytes",
+        "kvEvents": {"port": 5557, "topic": "", "staleAfterSeconds": 10, "maxBlocks": 1000000}}}},
+    "prefix off": {"model": {"name": "m"}, "routing": {"prefix": {"mode": "off"}}},
+    "prefix empty": {"model": {"name": "m"}, "routing": {"prefix": {}}},
     "engine groups": {"engineGroups": [
         {"name": "chat", "model": {"name": "meta-llama/Llama-2-7b-hf", "servedModelName": "llama-2-7b"}},
         {"name": "chat-h100", "model": {"name": "meta-llama/Llama-2-7b-hf", "servedModelName": "llama-2-7b"},
@@ -328,6 +336,24 @@ INVALID_POOLS = {
     "service type": ({"model": {"name": "m"}, "routerd": {"service": {"type": "ExternalName"}}},
                      "spec/routerd/service/type"),
     "unknown predictor": ({"model": {"name": "m"}, "predictor": {"name": "oracle-bucket"}}, "spec/predictor/name"),
+    "unknown prefix mode": ({"model": {"name": "m"}, "routing": {"prefix": {"mode": "exact"}}},
+                            "spec/routing/prefix/mode"),
+    # YAML's unquoted off is false: refused as a non-string, naming the field.
+    "unquoted off": ({"model": {"name": "m"}, "routing": {"prefix": {"mode": False}}}, "spec/routing/prefix/mode"),
+    "zero block size": ({"model": {"name": "m"}, "routing": {"prefix": {"blockSize": 0}}},
+                        "spec/routing/prefix/blockSize"),
+    "zero chunk blocks": ({"model": {"name": "m"}, "routing": {"prefix": {"chunkBlocks": 0}}},
+                          "spec/routing/prefix/chunkBlocks"),
+    "zero prompt tokens": ({"model": {"name": "m"}, "routing": {"prefix": {"maxPromptTokens": 0}}},
+                           "spec/routing/prefix/maxPromptTokens"),
+    "zero index capacity": ({"model": {"name": "m"}, "routing": {"prefix": {"indexCapacityBlocks": 0}}},
+                            "spec/routing/prefix/indexCapacityBlocks"),
+    "kv port out of range": ({"model": {"name": "m"}, "routing": {"prefix": {"kvEvents": {"port": 65536}}}},
+                             "spec/routing/prefix/kvEvents/port"),
+    "zero stale after": ({"model": {"name": "m"}, "routing": {"prefix": {"kvEvents": {"staleAfterSeconds": 0}}}},
+                         "spec/routing/prefix/kvEvents/staleAfterSeconds"),
+    "zero kv max blocks": ({"model": {"name": "m"}, "routing": {"prefix": {"kvEvents": {"maxBlocks": 0}}}},
+                           "spec/routing/prefix/kvEvents/maxBlocks"),
 }
 
 
@@ -419,3 +445,20 @@ def test_status_schema_accepts_the_engine_groups_status():
     assert _errors(POOL, obj) == []
     assert set(st["engineGroups"][1]) == set(_root(POOL)["properties"]["status"]["properties"]["engineGroups"]
                                              ["items"]["properties"])
+
+
+def test_prefix_settings_have_no_defaults_and_a_cel_port_rule():
+    """spec.routing.prefix has no default anywhere (unset = routerd's own default, one place), the
+    mode enum is the operator's, and the KV-events port rule is CEL at spec level (run by
+    tests/k8s/test_operator_api.py)."""
+    spec = _root(POOL)["properties"]["spec"]
+    prefix = spec["properties"]["routing"]["properties"]["prefix"]
+    for path, node in _walk(prefix, "prefix"):
+        assert "default" not in node, path
+    assert prefix["properties"]["mode"]["enum"] == list(gen_crds.PREFIX_MODES) == ["off", "approximate", "precise"]
+    defaulted = _apply_defaults(spec, {"model": {"name": "m"}})
+    assert "prefix" not in defaulted["routing"]
+    assert PoolSpec.model_validate({"model": {"name": "m"}}).routing.prefix is None
+    (rule,) = [r for r in spec["x-kubernetes-validations"] if "kvEvents" in r["rule"]]
+    assert rule["fieldPath"] == ".routing.prefix.kvEvents.port"
+    assert f": {gen_crds.DEFAULT_KV_EVENTS_PORT})" in rule["rule"]  # the unset port is vLLM's

@@ -574,3 +574,211 @@ def test_a_refused_group_deployment_blames_the_groups_own_field():
     assert B.blame(kids[("Deployment", "chat-engine-llama")], msg, ps) == "spec.engine.resources"  # inherited
     assert B.blame(kids[("Deployment", "chat-engine-code")], "spec.replicas: Invalid value", ps) == \
         "spec.engineGroups[2].replicas"
+
+
+# ---------------------------------------------------------------- prefix-cache-aware routing
+
+def _routerd_prefix_ready() -> bool:
+    """Whether routerd's settings model has the ``prefix`` block yet (issue 14's routerd part)."""
+    from routerd.daemon.config import Settings
+
+    return "prefix" in Settings.model_fields
+
+
+def _emulator_takes_kv_events() -> bool:
+    import argparse
+
+    from routerd.emulator.cli import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"))
+    _, unknown = parser.parse_known_args(["emulate", "--kv-events-config", "{}"])
+    return not unknown
+
+
+needs_routerd_prefix = pytest.mark.skipif(not _routerd_prefix_ready(),
+                                          reason="routerd's Settings has no prefix block yet (issue 14)")
+needs_emulator_kv_events = pytest.mark.skipif(not _emulator_takes_kv_events(),
+                                              reason="phasewise emulate has no --kv-events-config yet (issue 14)")
+
+PRECISE = {"mode": "precise", "blockSize": 16, "chunkBlocks": 4, "maxPromptTokens": 8192,
+           "indexCapacityBlocks": 100000, "tokenizer": "/models/tokenizer.json",
+           "kvEvents": {"port": 5600, "topic": "kv", "staleAfterSeconds": 5.0, "maxBlocks": 500000}}
+VLLM_KV_CONFIG = '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5600","topic":"kv"}'
+
+
+def _with_prefix(spec: dict, prefix: dict | None) -> dict:
+    s = copy.deepcopy(spec)
+    s.setdefault("routing", {})["prefix"] = prefix
+    if prefix is None:
+        del s["routing"]["prefix"]
+    return s
+
+
+def _settings_dict(spec: dict) -> dict:
+    return yaml.safe_load(_routerd_yaml(spec))
+
+
+def test_precise_prefix_makes_vllm_publish_kv_events_on_a_named_port():
+    kids = _children(_with_prefix(GPU_SPEC, PRECISE))
+    vllm = _container(kids[("Deployment", "chat-engine")], "vllm")
+    assert vllm["args"] == ["meta-llama/Llama-2-7b-hf", "--served-model-name", "llama-2-7b", "--host", "0.0.0.0",
+                            "--port", "8000", "--kv-events-config", VLLM_KV_CONFIG, "--max-model-len", "4096"]
+    # vLLM's KVEventsConfig field names (vllm/config/kv_events.py), publishing on every address
+    assert json.loads(vllm["args"][8]) == {"enable_kv_cache_events": True, "publisher": "zmq",
+                                           "endpoint": "tcp://*:5600", "topic": "kv"}
+    assert vllm["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
+                             {"name": "kv-events", "containerPort": 5600, "protocol": "TCP"}]
+    svc = kids[("Service", "chat-engine")]
+    assert svc["spec"]["ports"] == [
+        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"},
+        {"name": "state", "port": 50051, "targetPort": "state", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"},
+        {"name": "kv-events", "port": 5600, "targetPort": "kv-events", "protocol": "TCP"}]
+    # The sidecar is unchanged: it reads the hit counters from /metrics, not the events.
+    assert _container(kids[("Deployment", "chat-engine")], "sidecar") == \
+        _container(_children(GPU_SPEC)[("Deployment", "chat-engine")], "sidecar")
+
+
+def test_precise_prefix_renders_routerd_prefix_settings_by_its_names():
+    s = _settings_dict(_with_prefix(GPU_SPEC, PRECISE))
+    assert s["prefix"] == {"mode": "precise", "block_size": 16, "chunk_blocks": 4, "max_prompt_tokens": 8192,
+                           "index_capacity_blocks": 100000, "tokenizer": "/models/tokenizer.json",
+                           "kv_events": {"port": 5600, "topic": "kv", "stale_after_s": 5.0, "max_blocks": 500000}}
+    assert s["kubernetes"] == {"enabled": True, "namespace": "llm", "service": "chat-engine",
+                               "http_port_name": "http", "state_port_name": "state",
+                               "kv_events_port_name": "kv-events"}
+
+
+def test_precise_prefix_defaults_are_vllms_port_and_topic():
+    kids = _children(_with_prefix(GPU_SPEC, {"mode": "precise"}))
+    vllm = _container(kids[("Deployment", "chat-engine")], "vllm")
+    assert vllm["args"][7:11] == ["--kv-events-config", '{"enable_kv_cache_events":true,"publisher":"zmq",'
+                                  '"endpoint":"tcp://*:5557","topic":""}', "--max-model-len", "4096"]
+    assert vllm["ports"][1] == {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"}
+    assert kids[("Service", "chat-engine")]["spec"]["ports"][2]["port"] == 5557
+    # routerd is told the same port and topic, and nothing else it was not given.
+    assert _settings_dict(_with_prefix(GPU_SPEC, {"mode": "precise"}))["prefix"] == \
+        {"mode": "precise", "kv_events": {"port": 5557, "topic": ""}}
+
+
+def test_precise_prefix_in_an_emulated_pool():
+    kids = _children(_with_prefix(EMU_SPEC, {"mode": "precise"}))
+    emu = _container(kids[("Deployment", "chat-engine")], "emulator")
+    assert emu["args"] == ["--host", "0.0.0.0", "--port", "8000", "--profile", "/etc/phasewise/profile.yaml",
+                           "--model", "m", "--kv-events-config",
+                           '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","topic":""}']
+    assert emu["ports"][1] == {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"}
+    # The emulator's tokens are its byte tokenizer's: routerd tokenizes the same way.
+    assert _settings_dict(_with_prefix(EMU_SPEC, {"mode": "precise"}))["prefix"] == \
+        {"mode": "precise", "tokenizer": "bytes", "kv_events": {"port": 5557, "topic": ""}}
+    # A tokenizer the pool names is kept.
+    assert _settings_dict(_with_prefix(EMU_SPEC, {"mode": "precise", "tokenizer": "/t.json"}))["prefix"]["tokenizer"] \
+        == "/t.json"
+    # Every group's engine publishes.
+    groups = _children(_with_prefix(EMU_GROUPS_SPEC, {"mode": "precise"}))
+    for g in ("a", "b"):
+        emu = _container(groups[("Deployment", f"chat-engine-{g}")], "emulator")
+        assert emu["args"][-2] == "--kv-events-config" and emu["ports"][1]["name"] == "kv-events"
+    check_restricted(kids[("Deployment", "chat-engine")]["spec"]["template"]["spec"], "precise emulated")
+
+
+@pytest.mark.parametrize("prefix, expected", [
+    (None, None),
+    ({}, None),
+    ({"mode": "off"}, {"mode": "off"}),
+    ({"mode": "approximate", "blockSize": 32, "chunkBlocks": 2, "indexCapacityBlocks": 31250},
+     {"mode": "approximate", "block_size": 32, "chunk_blocks": 2, "index_capacity_blocks": 31250}),
+    # kvEvents given without precise: passed on as given (routerd ignores them), no engine change.
+    ({"mode": "approximate", "kvEvents": {"staleAfterSeconds": 2.5}}, {"mode": "approximate",
+                                                                       "kv_events": {"stale_after_s": 2.5}}),
+    # No mode: routerd's default mode, with the other fields.
+    ({"maxPromptTokens": 4096}, {"max_prompt_tokens": 4096}),
+], ids=["unset", "empty", "off", "approximate", "approximate-kv-events", "no-mode"])
+def test_other_modes_leave_the_engines_alone(prefix, expected):
+    spec = _with_prefix(GPU_SPEC, prefix)
+    s = _settings_dict(spec)
+    assert s.get("prefix") == expected
+    assert "kv_events_port_name" not in s["kubernetes"]
+    base, kids = _children(GPU_SPEC), _children(spec)
+    for key in (("Deployment", "chat-engine"), ("Service", "chat-engine")):
+        assert kids[key] == base[key], key
+    # "off" stays a string in the file (unquoted YAML off is a boolean).
+    if prefix == {"mode": "off"}:
+        assert "mode: 'off'" in _routerd_yaml(spec)
+
+
+def test_prefix_changes_reload_routerd_unless_they_move_the_kv_events_port_name():
+    """block size, capacities, mode approximate/off: a reload; into or out of precise changes the
+    kubernetes settings (the kv-events port name), which routerd reads at start: a restart."""
+    def restart(prefix):
+        dep = _children(_with_prefix(GPU_SPEC, prefix))[("Deployment", "chat-routerd")]
+        return dep["spec"]["template"]["metadata"]["annotations"][B.ANNOTATION_RESTART_HASH]
+
+    base = restart(None)
+    assert restart({"mode": "approximate", "blockSize": 32}) == base == restart({"mode": "off"})
+    assert restart({"mode": "precise"}) != base
+    assert restart({"mode": "precise", "blockSize": 64}) == restart({"mode": "precise"})
+
+
+@pytest.mark.parametrize("spec, field, words", [
+    (_with_prefix(GPU_SPEC, {"mode": "precise", "kvEvents": {"port": 8000}}), "spec.routing.prefix.kvEvents.port",
+     "taken by engine.port or sidecar.port"),
+    ({**_with_prefix(GPU_SPEC, {"mode": "precise"}), "sidecar": {"port": 5557}}, "spec.routing.prefix.kvEvents.port",
+     "port 5557"),
+    ({**_with_prefix(GPU_SPEC, {"mode": "precise"}),
+      "engine": {**GPU_SPEC["engine"], "args": ["--kv-events-config", "{}"]}}, "spec.engine.args",
+     "--kv-events-config is set by the operator"),
+    ({**_with_prefix(GROUPS_SPEC, {"mode": "precise"}),
+      "engineGroups": [{**GROUPS_SPEC["engineGroups"][0], "args": ["--kv-events-config={}"]}]},
+     "spec.engineGroups[0].args", "--kv-events-config is set by the operator"),
+], ids=["kv-port-is-engine-port", "kv-default-is-sidecar-port", "own-kv-events-config", "group-kv-events-config"])
+def test_precise_prefix_checks_name_the_field(spec, field, words):
+    with pytest.raises(SpecError) as e:
+        check_pool(parse_pool_spec(spec))
+    assert e.value.field == field and words in e.value.message
+    # Without precise these are fine: nothing publishes KV events.
+    check_pool(parse_pool_spec(_with_prefix(spec, {"mode": "approximate", "kvEvents": {"port": 8000}})))
+
+
+@needs_routerd_prefix
+def test_prefix_settings_are_what_routerd_accepts(tmp_path):
+    s = _settings_from_configmap(_children(_with_prefix(GPU_SPEC, PRECISE))[("ConfigMap", "chat-routerd")], tmp_path)
+    p = s.prefix
+    assert (p.mode, p.block_size, p.chunk_blocks, p.max_prompt_tokens) == ("precise", 16, 4, 8192)
+    assert (p.index_capacity_blocks, p.tokenizer) == (100000, "/models/tokenizer.json")
+    assert (p.kv_events.port, p.kv_events.topic, p.kv_events.stale_after_s, p.kv_events.max_blocks) == \
+        (5600, "kv", 5.0, 500000)
+    assert s.kubernetes.kv_events_port_name == "kv-events"
+    for prefix in ({"mode": "off"}, {"mode": "approximate", "blockSize": 32}):
+        cm = _children(_with_prefix(GPU_SPEC, prefix))[("ConfigMap", "chat-routerd")]
+        assert _settings_from_configmap(cm, tmp_path).prefix.mode == prefix["mode"]
+
+
+@needs_routerd_prefix
+def test_endpointslices_carry_the_kv_events_port_routerd_looks_for():
+    from routerd.daemon.endpointslices import endpoints_from_slices
+
+    svc = _children(_with_prefix(GPU_SPEC, {"mode": "precise"}))[("Service", "chat-engine")]
+    slice_ = {"addressType": "IPv4", "metadata": {"name": "chat-engine-x"},
+              "ports": [{"name": p["name"], "port": p["port"]} for p in svc["spec"]["ports"]],
+              "endpoints": [{"addresses": ["10.1.2.3"], "targetRef": {"name": "chat-engine-0"},
+                             "conditions": {"ready": True}}]}
+    (ep,) = endpoints_from_slices([slice_])
+    assert (ep.url, ep.state_address, ep.kv_events) == ("http://10.1.2.3:8000", "10.1.2.3:50051", "10.1.2.3:5557")
+
+
+@needs_emulator_kv_events
+def test_emulator_precise_args_parse_with_phasewise_emulate(tmp_path):
+    import argparse
+
+    from routerd.emulator.cli import add_parser, settings_from_args
+
+    kids = _children(_with_prefix(EMU_SPEC, {"mode": "precise", "kvEvents": {"port": 5600, "topic": "kv"}}))
+    emu = _container(kids[("Deployment", "chat-engine")], "emulator")
+    prof = tmp_path / "profile.yaml"
+    prof.write_text(kids[("ConfigMap", "chat-routerd")]["data"]["profile.yaml"])
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["emulate", *[str(prof) if a == B.PROFILE_FILE else a for a in emu["args"]]])
+    s = settings_from_args(args, environ={})
+    assert s.port == 8000 and s.model == "m"

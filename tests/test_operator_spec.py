@@ -23,6 +23,10 @@ M = {"model": {"name": "m"}}
      "spec.hardwareProfile", "exactly one"),
     ({"routing": {"queueLimit": 0}}, "spec.routing.queueLimit", "greater than or equal to 1"),
     ({"routerd": {"service": {"type": "ExternalName"}}}, "spec.routerd.service.type", "'ClusterIP'"),
+    ({"routing": {"prefix": {"mode": "exact"}}}, "spec.routing.prefix.mode", "'approximate'"),
+    ({"routing": {"prefix": {"blockSize": 0}}}, "spec.routing.prefix.blockSize", "greater than or equal to 1"),
+    ({"routing": {"prefix": {"kvEvents": {"staleAfterSeconds": -1}}}},
+     "spec.routing.prefix.kvEvents.staleAfterSeconds", "greater than 0"),
 ])
 def test_parse_errors_name_the_camelcase_field(spec, field, words):
     with pytest.raises(SpecError) as e:

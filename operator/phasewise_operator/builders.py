@@ -10,8 +10,9 @@ controller owner reference, so deleting the pool deletes them):
 ``P-engine-G`` Deployment    the same for engine group ``G`` of ``spec.engineGroups``
                              (one each), pods labelled ``phasewise.io/engine-group: G``
 ``P-engine`` Service         headless, selecting the pods of every engine Deployment;
-                             ports named ``http`` and ``state``, which routerd's
-                             EndpointSlice watcher looks for
+                             ports named ``http`` and ``state`` (and ``kv-events`` with
+                             prefix mode precise), which routerd's EndpointSlice
+                             watcher looks for
 ``P-routerd`` ConfigMap      ``routerd.yaml`` (routerd's :class:`~routerd.daemon.config.Settings`),
                              ``profile.yaml`` for an inline profile, and the DQN
                              checkpoint (``checkpoint-model.safetensors``,
@@ -43,9 +44,9 @@ from typing import Any, Mapping
 
 import yaml
 
-from phasewise_operator.gen_crds import API_VERSION, DEFAULT_PREDICTOR
+from phasewise_operator.gen_crds import API_VERSION, DEFAULT_PREDICTOR, KV_EVENTS_PORT_NAME
 from phasewise_operator.settings import OperatorSettings
-from phasewise_operator.spec import EngineGroup, PoolSpec, Resources, resolve_profile
+from phasewise_operator.spec import KV_EVENTS_FLAG, EngineGroup, PoolSpec, Resources, resolve_profile
 
 # ---------------------------------------------------------------- names and labels
 
@@ -236,7 +237,9 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
     loads its checkpoint from :data:`CHECKPOINT_DIR`; the predictor is ``predictor.name``
     (``none`` turns it off), the volume's folder under :data:`PREDICTOR_DIR`, or, when
     ``spec.predictor`` is unset or null, :data:`~phasewise_operator.gen_crds.DEFAULT_PREDICTOR`
-    (the model shipped in the routerd image).
+    (the model shipped in the routerd image); ``prefix`` is :func:`prefix_settings`, left out
+    when the pool sets none, and with prefix mode precise ``kubernetes.kv_events_port_name``
+    names the engine Service's ``kv-events`` port.
 
     Raises:
         SpecError: an unknown profile or an invalid inline profile (from :func:`resolve_profile`).
@@ -255,14 +258,17 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
     # The sidecar must refresh a snapshot well within state.max_age_s, or every instance
     # looks stale and routerd routes on its own bookkeeping only.
     max_age = max(2.0, 4 * spec.sidecar.interval_seconds)
-    return {
+    kubernetes = {"enabled": True, "namespace": pool.namespace, "service": engine_name(pool.name),
+                  "http_port_name": "http", "state_port_name": "state"}
+    if spec.routing.precise_prefix:
+        kubernetes["kv_events_port_name"] = KV_EVENTS_PORT_NAME
+    out = {
         "http": {"host": "0.0.0.0", "port": ROUTERD_HTTP_PORT},
         "grpc": {"host": "0.0.0.0", "port": ROUTERD_GRPC_PORT},
         # The union of the groups' names: routerd learns which endpoint serves which from
         # each endpoint's own /v1/models, so every group stays behind the one engine Service.
         "models": spec.served_models(),
-        "kubernetes": {"enabled": True, "namespace": pool.namespace, "service": engine_name(pool.name),
-                       "http_port_name": "http", "state_port_name": "state"},
+        "kubernetes": kubernetes,
         "policy": {"name": spec.routing.policy, "params": params},
         "profile": spec.hardware_profile.name if spec.hardware_profile.name is not None else PROFILE_FILE,
         "predictor": predictor,
@@ -273,6 +279,71 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
         "reload": {"watch": True, "poll_interval_s": 1.0},
         "log_level": spec.routerd.log_level,
     }
+    prefix = prefix_settings(spec)
+    if prefix:
+        out["prefix"] = prefix
+    return out
+
+
+def prefix_settings(spec: PoolSpec) -> dict[str, Any]:
+    """routerd's ``prefix`` settings from ``spec.routing.prefix``: the fields set, by routerd's names.
+
+    Every unset field is left out, so routerd's own default applies (the mode's included:
+    one place for it, routerd's settings model). Mode ``precise`` adds what the engines and
+    routerd must agree on, ``kv_events.port`` and ``topic`` (vLLM's defaults unless set),
+    and in an emulated pool ``tokenizer: bytes`` unless set, the emulator's tokenizer
+    (without it routerd could not tokenize like the engines and would stay approximate).
+    {} when the pool sets nothing.
+    """
+    p = spec.routing.prefix
+    if p is None:
+        return {}
+    out: dict[str, Any] = {}
+    for field, key in (("mode", "mode"), ("block_size", "block_size"), ("chunk_blocks", "chunk_blocks"),
+                       ("max_prompt_tokens", "max_prompt_tokens"),
+                       ("index_capacity_blocks", "index_capacity_blocks"), ("tokenizer", "tokenizer")):
+        value = getattr(p, field)
+        if value is not None:
+            out[key] = value
+    ke = p.kv_events
+    events: dict[str, Any] = {}
+    if ke is not None:
+        for field, key in (("port", "port"), ("topic", "topic"), ("stale_after_seconds", "stale_after_s"),
+                           ("max_blocks", "max_blocks")):
+            value = getattr(ke, field)
+            if value is not None:
+                events[key] = value
+    if p.precise:
+        events["port"] = spec.routing.kv_events_port
+        events["topic"] = spec.routing.kv_events_topic
+        if spec.emulated and p.tokenizer is None:
+            out["tokenizer"] = "bytes"
+    if events:
+        out["kv_events"] = {k: events[k] for k in ("port", "topic", "stale_after_s", "max_blocks") if k in events}
+    return out
+
+
+def kv_events_config(spec: PoolSpec) -> str | None:
+    """The engines' ``--kv-events-config`` JSON with prefix mode precise, else None.
+
+    vLLM's ``KVEventsConfig`` fields (``vllm/config/kv_events.py``): events on, the ZMQ
+    publisher bound on every address at the pool's port, the pool's topic; the rest
+    (buffer_steps, hwm, replay endpoint) stay vLLM's.
+    """
+    if not spec.routing.precise_prefix:
+        return None
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                       "endpoint": f"tcp://*:{spec.routing.kv_events_port}", "topic": spec.routing.kv_events_topic},
+                      separators=(",", ":"))
+
+
+def _kv_events_parts(spec: PoolSpec) -> tuple[list[str], list[dict[str, Any]]]:
+    """(args, container ports) an engine container adds with prefix mode precise; empty otherwise."""
+    cfg = kv_events_config(spec)
+    if cfg is None:
+        return [], []
+    return ([KV_EVENTS_FLAG, cfg],
+            [{"name": KV_EVENTS_PORT_NAME, "containerPort": spec.routing.kv_events_port, "protocol": "TCP"}])
 
 
 def render_settings(settings: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> str:
@@ -350,6 +421,9 @@ def _group(spec: PoolSpec, group: EngineGroup | None) -> EngineGroup:
 def vllm_container(spec: PoolSpec, settings: OperatorSettings, group: EngineGroup | None = None) -> dict[str, Any]:
     """The vLLM container: ``vllm serve MODEL --served-model-name NAME --port PORT`` plus the group's args.
 
+    With prefix mode precise, also ``--kv-events-config`` (:func:`kv_events_config`) and the
+    container port ``kv-events`` the events are published on.
+
     ``group`` (default: the pool's only one) supplies the model, args, env and resources.
     vLLM writes caches under HOME, HF_HOME, the Triton and TorchInductor cache dirs and
     needs a user name (``getpass.getuser``), which an arbitrary non-root UID lacks in
@@ -370,14 +444,15 @@ def vllm_container(spec: PoolSpec, settings: OperatorSettings, group: EngineGrou
     if e.model_cache_claim:
         mounts.append({"name": "models", "mountPath": "/models"})
     probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
+    kv_args, kv_ports = _kv_events_parts(spec)
     return {
         "name": "vllm",
         "image": e.image or settings.vllm_image,
         "imagePullPolicy": e.image_pull_policy or settings.image_pull_policy,
         "command": ["vllm", "serve"],
         "args": [g.model.name, "--served-model-name", g.model.served, "--host", "0.0.0.0",
-                 "--port", str(e.port), *g.args],
-        "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}],
+                 "--port", str(e.port), *kv_args, *g.args],
+        "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}, *kv_ports],
         "env": env,
         "resources": g.resources.k8s(),
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": max(1, math.ceil(e.startup_seconds / 10))},
@@ -391,18 +466,20 @@ def vllm_container(spec: PoolSpec, settings: OperatorSettings, group: EngineGrou
 def emulator_container(spec: PoolSpec, settings: OperatorSettings,
                        group: EngineGroup | None = None) -> dict[str, Any]:
     """``phasewise emulate``: the OpenAI API (serving the group's model name) and vLLM-named /metrics,
-    timed by the pool's profile."""
+    timed by the pool's profile; with prefix mode precise, its KV events as vLLM's (the same
+    ``--kv-events-config`` and ``kv-events`` port as :func:`vllm_container`)."""
     e = spec.engine
     g = _group(spec, group)
     probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
+    kv_args, kv_ports = _kv_events_parts(spec)
     return {
         "name": "emulator",
         "image": spec.routerd.image or settings.routerd_image,
         "imagePullPolicy": spec.routerd.image_pull_policy or settings.image_pull_policy,
         "command": ["phasewise", "emulate"],
         "args": ["--host", "0.0.0.0", "--port", str(e.port), "--profile", PROFILE_FILE,
-                 "--model", g.model.served],
-        "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}],
+                 "--model", g.model.served, *kv_args],
+        "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}, *kv_ports],
         "env": _merge_env({"HOME": "/tmp"}, g.env),
         "resources": _resources(g.resources, _EMULATOR_DEFAULT_RESOURCES),
         "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 3},
@@ -526,7 +603,16 @@ def stale_engine_deployments(pool: PoolRef, spec: PoolSpec, observed: list[Mappi
 
 def engine_service(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
     """``P-engine``: headless; its EndpointSlices list every instance of every group with ports ``http`` and
-    ``state`` (the selector leaves the group out)."""
+    ``state`` (the selector leaves the group out), and ``kv-events`` with prefix mode precise."""
+    ports = [
+        {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP",
+         "appProtocol": "http"},
+        {"name": "state", "port": spec.sidecar.port, "targetPort": "state", "protocol": "TCP",
+         "appProtocol": "kubernetes.io/h2c"},
+    ]
+    if spec.routing.precise_prefix:
+        ports.append({"name": KV_EVENTS_PORT_NAME, "port": spec.routing.kv_events_port,
+                      "targetPort": KV_EVENTS_PORT_NAME, "protocol": "TCP"})
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -535,12 +621,7 @@ def engine_service(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
             "clusterIP": "None",
             "selector": selector(pool.name, "engine"),
             "publishNotReadyAddresses": False,
-            "ports": [
-                {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP",
-                 "appProtocol": "http"},
-                {"name": "state", "port": spec.sidecar.port, "targetPort": "state", "protocol": "TCP",
-                 "appProtocol": "kubernetes.io/h2c"},
-            ],
+            "ports": ports,
         },
     }
 

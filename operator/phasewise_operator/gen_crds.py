@@ -54,6 +54,18 @@ routerd image), ``routerd.predictor.assign.DEFAULT_PREDICTOR``."""
 NO_PREDICTOR = "none"
 """The predictor name that turns prediction off (routerd's ``predictor: none``)."""
 
+PREFIX_MODES = ("off", "approximate", "precise")
+"""routerd's ``prefix.mode`` values. The default mode is routerd's own (its settings model), not
+the CRD's: ``spec.routing.prefix`` has no defaults, so an unset field means routerd's value."""
+DEFAULT_KV_EVENTS_PORT = 5557
+"""vLLM's KV-event publisher port (``KVEventsConfig.endpoint`` ``tcp://*:5557``): the engines'
+and routerd's port in precise mode unless ``spec.routing.prefix.kvEvents.port`` says otherwise."""
+DEFAULT_KV_EVENTS_TOPIC = ""
+"""vLLM's KV-event topic (``KVEventsConfig.topic``)."""
+KV_EVENTS_PORT_NAME = "kv-events"
+"""Name of the engines' container and Service port of the KV events (routerd's
+``kubernetes.kv_events_port_name``), so EndpointSlices carry it."""
+
 _QUANTITY = {
     # Kubernetes' Quantity pattern without the minus sign: no resource or size here may be negative
     # (a negative integer gets past it; the Deployment then is refused, naming the pool field).
@@ -62,6 +74,9 @@ _QUANTITY = {
     "x-kubernetes-int-or-string": True,
 }
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# The KV-events port as CEL sees it at spec level (vLLM's default when unset).
+_KV_PORT = ("(has(self.routing.prefix.kvEvents) && has(self.routing.prefix.kvEvents.port) ? "
+            f"self.routing.prefix.kvEvents.port : {DEFAULT_KV_EVENTS_PORT})")
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
@@ -246,6 +261,37 @@ def inline_profile_schema(desc: str) -> dict[str, Any]:
     }, required=["grad1", "grad2", "overheadS", "kvCapacityTokens"])
 
 
+def prefix_schema() -> dict[str, Any]:
+    """``spec.routing.prefix``: routerd's ``prefix`` settings in camelCase, without defaults (unset = routerd's)."""
+    return _o("Prefix-cache-aware routing (routerd's prefix settings). Every field left out is routerd's "
+              "default, the mode included. Mode precise makes the engines publish vLLM KV events "
+              "(--kv-events-config) on the container and Service port named kv-events, which routerd "
+              "follows; changing into or out of precise rolls the engine pods.", {
+        "mode": _s("off: no prefix scoring; approximate: routerd hashes each prompt's text and remembers "
+                   "where it sent it; precise: routerd follows the engines' KV events and matches token "
+                   "blocks (falling back to approximate while an instance's events are stale or no "
+                   "tokenizer is available). Quote \"off\" in YAML (unquoted it reads as false).",
+                   enum=list(PREFIX_MODES)),
+        "blockSize": _i("Tokens per KV block: the engines' block size (vLLM --block-size, 16 by default).",
+                        minimum=1),
+        "chunkBlocks": _i("Blocks per hashed text chunk of the approximate index.", minimum=1),
+        "maxPromptTokens": _i("Only the first this many prompt tokens are hashed.", minimum=1, format="int64"),
+        "indexCapacityBlocks": _i("Most blocks the approximate index keeps per endpoint (least recently used "
+                                  "evicted first): its memory bound.", minimum=1, format="int64"),
+        "tokenizer": _s("Tokenizer of precise mode: bytes (the emulator's byte tokenizer) or the path of a "
+                        "Hugging Face tokenizer.json inside the routerd pod. Default in an emulated pool: bytes; "
+                        "otherwise routerd's.", maxLength=4096),
+        "kvEvents": _o("The engines' KV-cache events (mode precise).", {
+            "port": _i(f"Port each engine publishes on (tcp://*:<port>; default {DEFAULT_KV_EVENTS_PORT}, vLLM's).",
+                       minimum=1, maximum=65535),
+            "topic": _s("ZMQ topic of the events (default \"\", vLLM's).", maxLength=256),
+            "staleAfterSeconds": _n("Seconds without events after which routerd counts an instance's index "
+                                    "stale and falls back to approximate.", exclusiveMinimum=True, minimum=0),
+            "maxBlocks": _i("Most blocks routerd keeps per instance from its events.", minimum=1, format="int64"),
+        }),
+    })
+
+
 def pool_spec_schema() -> dict[str, Any]:
     """OpenAPI schema of ``LLMRouterPool.spec``."""
     engine = _o("The serving instances: vLLM (or the emulator when emulated) with a state sidecar each. "
@@ -297,6 +343,7 @@ def pool_spec_schema() -> dict[str, Any]:
                                     maximum=60, default=0.02),
         "queueLimit": _i("Most requests held in the router queue; more get HTTP 429.", minimum=1,
                          maximum=1000000, default=1024),
+        "prefix": prefix_schema(),
         "checkpoint": _o("The DQN checkpoint for policy dqn: a ConfigMap with model.safetensors "
                          "(binaryData) and metadata.json, as a train job writes it. routerd reloads it "
                          "without a restart.", {
@@ -420,6 +467,13 @@ def pool_spec_schema() -> dict[str, Any]:
         _rule("!has(self.engine) || !has(self.sidecar) || !has(self.engine.port) || !has(self.sidecar.port) || "
               "self.engine.port != self.sidecar.port",
               "engine.port and sidecar.port must differ", field_path=".sidecar.port", reason="FieldValueInvalid"),
+        _rule("!has(self.routing) || !has(self.routing.prefix) || !has(self.routing.prefix.mode) || "
+              "self.routing.prefix.mode != 'precise' || "
+              f"((!has(self.engine) || !has(self.engine.port) || {_KV_PORT} != self.engine.port) && "
+              f"(!has(self.sidecar) || !has(self.sidecar.port) || {_KV_PORT} != self.sidecar.port))",
+              "with routing.prefix.mode precise, the KV-events port (routing.prefix.kvEvents.port, default "
+              f"{DEFAULT_KV_EVENTS_PORT}) must differ from engine.port and sidecar.port",
+              field_path=".routing.prefix.kvEvents.port", reason="FieldValueInvalid"),
     ]})
 
 

@@ -19,10 +19,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from phasewise_operator.gen_crds import (DEFAULT_POLICY, DEFAULT_PREDICTOR, DEFAULT_PROFILE, GROUP_NAME_MAX,
-                                         GROUP_NAME_PATTERN, GROUP_NAME_RESERVED, RESERVED_GROUP_WORDS)
+from phasewise_operator.gen_crds import (DEFAULT_KV_EVENTS_PORT, DEFAULT_KV_EVENTS_TOPIC, DEFAULT_POLICY,
+                                         DEFAULT_PREDICTOR, DEFAULT_PROFILE, GROUP_NAME_MAX, GROUP_NAME_PATTERN,
+                                         GROUP_NAME_RESERVED, PREFIX_MODES, RESERVED_GROUP_WORDS)
 
 Quantity = int | str
+
+KV_EVENTS_FLAG = "--kv-events-config"
+"""vLLM's (and the emulator's) flag for the KV-event publisher, set by the operator in precise mode."""
 
 
 class SpecError(ValueError):
@@ -150,12 +154,80 @@ class CheckpointRef(_Spec):
     config_map: str = Field(min_length=1)
 
 
+class KvEventsSpec(_Spec):
+    """``spec.routing.prefix.kvEvents``: the engines' vLLM KV-cache events (mode precise).
+
+    Unset fields: vLLM's defaults for ``port`` and ``topic`` (the operator configures the
+    engines and routerd alike, :data:`~phasewise_operator.gen_crds.DEFAULT_KV_EVENTS_PORT`),
+    routerd's for the rest.
+    """
+
+    port: int | None = Field(default=None, ge=1, le=65535)
+    """Port each engine publishes on (``tcp://*:<port>``, container and Service port ``kv-events``)."""
+    topic: str | None = None
+    """ZMQ topic of the events (vLLM's ``topic``)."""
+    stale_after_seconds: float | None = Field(default=None, gt=0)
+    """Seconds without events after which routerd counts an instance's index stale (routerd's ``stale_after_s``)."""
+    max_blocks: int | None = Field(default=None, ge=1)
+    """Most blocks routerd keeps per instance from its events (routerd's ``max_blocks``)."""
+
+
+class PrefixSpec(_Spec):
+    """``spec.routing.prefix``: routerd's prefix-cache-aware routing (routerd's ``prefix`` settings).
+
+    Every unset field is routerd's default (``routerd/routerd/daemon/config.py``), the mode
+    included; the operator renders only what is set, except that mode ``precise`` also
+    fixes the events' port and topic, which the engines must share with routerd.
+    """
+
+    mode: Literal[PREFIX_MODES] | None = None  # type: ignore[valid-type]
+    """``off``, ``approximate`` (routerd hashes the prompt text) or ``precise`` (routerd follows the
+    engines' KV events); None = routerd's default."""
+    block_size: int | None = Field(default=None, ge=1)
+    """Tokens per KV block, the engines' block size (routerd's ``block_size``)."""
+    chunk_blocks: int | None = Field(default=None, ge=1)
+    """Blocks per hashed text chunk of the approximate index (routerd's ``chunk_blocks``)."""
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
+    """Only the first this many prompt tokens are hashed (routerd's ``max_prompt_tokens``)."""
+    index_capacity_blocks: int | None = Field(default=None, ge=1)
+    """Bound of the approximate index per endpoint, blocks (routerd's ``index_capacity_blocks``)."""
+    tokenizer: str | None = None
+    """Tokenizer of precise mode: ``bytes`` (the emulator's) or a tokenizer.json path in the routerd
+    pod (routerd's ``tokenizer``); None = routerd's default, or ``bytes`` in an emulated pool."""
+    kv_events: KvEventsSpec | None = None
+    """The engines' KV events (mode ``precise``)."""
+
+    @property
+    def precise(self) -> bool:
+        """Whether the engines must publish KV events (mode ``precise``; routerd's default mode never is)."""
+        return self.mode == "precise"
+
+
 class RoutingSpec(_Spec):
     policy: str = DEFAULT_POLICY
     params: dict[str, Any] = Field(default_factory=dict)
     action_interval_seconds: float = Field(default=0.02, ge=0.0001)
     queue_limit: int = Field(default=1024, ge=1)
     checkpoint: CheckpointRef | None = None
+    prefix: PrefixSpec | None = None
+    """Prefix-cache-aware routing; None = routerd's defaults throughout."""
+
+    @property
+    def precise_prefix(self) -> bool:
+        """Whether the pool routes on the engines' KV events (``prefix.mode: precise``)."""
+        return self.prefix is not None and self.prefix.precise
+
+    @property
+    def kv_events_port(self) -> int:
+        """The port the engines publish KV events on: ``prefix.kvEvents.port`` or vLLM's default."""
+        ke = self.prefix.kv_events if self.prefix is not None else None
+        return ke.port if ke is not None and ke.port is not None else DEFAULT_KV_EVENTS_PORT
+
+    @property
+    def kv_events_topic(self) -> str:
+        """The topic of the engines' KV events: ``prefix.kvEvents.topic`` or vLLM's default ("")."""
+        ke = self.prefix.kv_events if self.prefix is not None else None
+        return ke.topic if ke is not None and ke.topic is not None else DEFAULT_KV_EVENTS_TOPIC
 
 
 class PredictorVolume(_Spec):
@@ -486,6 +558,17 @@ def check_pool(spec: PoolSpec) -> None:
             raise SpecError(f"{where}.args", "args are vLLM arguments; an emulated pool must not set them")
     if spec.engine.port == spec.sidecar.port:
         raise SpecError("spec.sidecar.port", "engine.port and sidecar.port must differ")
+    if spec.routing.precise_prefix:
+        port = spec.routing.kv_events_port
+        if port in (spec.engine.port, spec.sidecar.port):
+            raise SpecError("spec.routing.prefix.kvEvents.port",
+                            f"port {port} is taken by engine.port or sidecar.port; the KV events need their own")
+        # The operator sets the engines' --kv-events-config in precise mode: a second one in
+        # the args would win (argparse keeps the last) and could publish where routerd does not listen.
+        for g in spec.groups():
+            if any(a == KV_EVENTS_FLAG or a.startswith(KV_EVENTS_FLAG + "=") for a in g.args):
+                raise SpecError(g.field("args"), f"{KV_EVENTS_FLAG} is set by the operator with "
+                                "routing.prefix.mode precise; give its port and topic in spec.routing.prefix.kvEvents")
 
 
 def resolve_profile(spec: PoolSpec, *, pool_name: str):
