@@ -143,6 +143,36 @@ def test_example_pool_with_engine_groups():
     assert r.returncode != 0 and "engineGroups" in r.stderr, r.stderr
 
 
+def test_example_pool_prefix_is_its_spec_routing_prefix():
+    # Unset: no prefix block, routerd's defaults.
+    (plain,) = by_kind(render("examplePool.enabled=true"), "LLMRouterPool")
+    assert "prefix" not in plain["spec"]["routing"]
+    (pool,) = by_kind(render("examplePool.enabled=true", "examplePool.prefix.mode=precise",
+                             "examplePool.prefix.blockSize=16", "examplePool.prefix.kvEvents.port=5600",
+                             "examplePool.prefix.kvEvents.topic=kv"), "LLMRouterPool")
+    assert pool["spec"]["routing"] == {"policy": "late_binding", "prefix": {
+        "mode": "precise", "blockSize": 16, "kvEvents": {"port": 5600, "topic": "kv"}}}
+    jsonschema = pytest.importorskip("jsonschema")
+    crd = yaml.safe_load((REPO / "crds" / "llmrouterpools.yaml").read_text())
+    jsonschema.Draft4Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]).validate(pool)
+    from phasewise_operator import builders as B
+    from phasewise_operator.settings import OperatorSettings
+    from phasewise_operator.spec import check_pool, parse_pool_spec
+
+    spec = parse_pool_spec(pool["spec"])
+    check_pool(spec)
+    ref = B.PoolRef(name="phasewise-example", namespace="phasewise", uid="u")
+    emu = B.emulator_container(spec, OperatorSettings())
+    assert emu["args"][-2:] == ["--kv-events-config", '{"enable_kv_cache_events":true,"publisher":"zmq",'
+                                '"endpoint":"tcp://*:5600","topic":"kv"}']
+    assert [p["name"] for p in B.engine_service(ref, spec)["spec"]["ports"]] == ["http", "state", "kv-events"]
+    # "off" reaches the pool as the string, not YAML's boolean.
+    (off,) = by_kind(render("examplePool.enabled=true", "examplePool.prefix.mode=off"), "LLMRouterPool")
+    assert off["spec"]["routing"]["prefix"] == {"mode": "off"}
+    r = helm("template", "x", str(CHART), "--set", "examplePool.prefix.mode=exact", check=False)
+    assert r.returncode != 0 and "prefix" in r.stderr and "mode" in r.stderr, r.stderr
+
+
 def test_bad_values_fail_with_a_message():
     r = helm("template", "x", str(CHART), "--set", "operator.replicas=-1", check=False)
     assert r.returncode != 0 and "operator.replicas" in r.stderr.replace("/", "."), r.stderr

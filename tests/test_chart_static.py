@@ -191,3 +191,46 @@ def test_example_pool_engine_groups_values():
         values["examplePool"]["engineGroups"] = [bad]
         errs = _errors(values)
         assert any(e.startswith(where) for e in errs), (bad, errs)
+
+
+def test_example_pool_prefix_values_mirror_the_crd():
+    """examplePool.prefix is the pool's spec.routing.prefix: empty by default (routerd's defaults), the
+    CRD's fields with the same types, enums and limits, so a value the chart takes the API server takes."""
+    from phasewise_operator.gen_crds import pool_crd
+
+    assert VALUES["examplePool"]["prefix"] == {}
+    chart = SCHEMA["properties"]["examplePool"]["properties"]["prefix"]
+    crd = pool_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "routing"]["properties"]["prefix"]
+
+    def same(c: dict, k: dict, path: str) -> None:
+        assert set(c["properties"]) == set(k["properties"]), path
+        assert c["additionalProperties"] is False, path
+        for name, cn in c["properties"].items():
+            kn = k["properties"][name]
+            assert cn["type"] == kn["type"], f"{path}.{name}"
+            if kn["type"] == "object":
+                same(cn, kn, f"{path}.{name}")
+                continue
+            for key in ("enum", "maximum", "maxLength"):
+                assert cn.get(key) == kn.get(key), f"{path}.{name}.{key}"
+            # draft-07 (chart) and OpenAPI v3.0 (CRD) spell an exclusive minimum differently
+            if kn.get("exclusiveMinimum"):
+                assert (cn.get("exclusiveMinimum"), cn.get("minimum")) == (kn["minimum"], None), f"{path}.{name}"
+            else:
+                assert (cn.get("exclusiveMinimum"), cn.get("minimum")) == (None, kn.get("minimum")), f"{path}.{name}"
+
+    same(chart, crd, "prefix")
+    values = copy.deepcopy(VALUES)
+    values["examplePool"]["prefix"] = {"mode": "precise", "blockSize": 16, "kvEvents": {"port": 5600,
+                                                                                        "staleAfterSeconds": 2.5}}
+    assert _errors(values) == []
+    for bad, where in (({"mode": False}, "examplePool/prefix/mode"),  # unquoted off
+                       ({"mode": "exact"}, "examplePool/prefix/mode"),
+                       ({"blockSize": 0}, "examplePool/prefix/blockSize"),
+                       ({"kvEvents": {"port": 70000}}, "examplePool/prefix/kvEvents/port"),
+                       ({"kvEvents": {"staleAfterSeconds": 0}}, "examplePool/prefix/kvEvents/staleAfterSeconds"),
+                       ({"blocksize": 16}, "examplePool/prefix: Additional")):
+        values["examplePool"]["prefix"] = bad
+        errs = _errors(values)
+        assert any(e.startswith(where) for e in errs), (bad, errs)

@@ -210,6 +210,12 @@ INVALID = [
     ("same ports", {"engine": {"port": 9000}, "sidecar": {"port": 9000}}, "spec.sidecar.port"),
     ("nodePort on ClusterIP", {"routerd": {"service": {"nodePort": 30001}}}, "spec.routerd.service.nodePort"),
     ("unknown predictor", {"predictor": {"name": "oracle-bucket"}}, "spec.predictor.name"),
+    ("unknown prefix mode", {"routing": {"prefix": {"mode": "exact"}}}, "spec.routing.prefix.mode"),
+    # CEL: the KV-events port (vLLM's 5557 when unset) may not be the engine's or the sidecar's.
+    ("kv-events port is the engine port", {"routing": {"prefix": {"mode": "precise", "kvEvents": {"port": 8000}}}},
+     "spec.routing.prefix.kvEvents.port"),
+    ("default kv-events port is the sidecar port", {"routing": {"prefix": {"mode": "precise"}},
+                                                     "sidecar": {"port": 5557}}, "spec.routing.prefix.kvEvents.port"),
 ]
 
 
@@ -244,6 +250,11 @@ def test_defaults_are_filled_in_by_the_api_server(k8s, crds, kube, namespace):
     assert spec["predictor"] == {"name": "default"}  # routerd's shipped length model
     apply(k8s, namespace, pool_yaml("off", predictor={"name": "none"}))
     assert pool(kube, namespace, "off")["spec"]["predictor"] == {"name": "none"}
+    # No prefix defaults (routerd's apply); a precise pool on other ports passes the CEL rule.
+    assert "prefix" not in spec["routing"]
+    apply(k8s, namespace, pool_yaml("pre", routing={"prefix": {"mode": "precise", "kvEvents": {"port": 8000}}},
+                                    engine={"port": 9000}))
+    assert pool(kube, namespace, "pre")["spec"]["routing"]["prefix"] == {"mode": "precise", "kvEvents": {"port": 8000}}
 
 
 # ---------------------------------------------------------------- the operator
@@ -271,6 +282,37 @@ def test_pool_gets_children_and_status(k8s, kube, operator, namespace):
     # The 2 s target is measured by benchmarks/operator_reconcile.py; the bound here is the wait's.
     print(f"\npool apply -> children and status in {elapsed:.2f} s", file=sys.__stderr__)
     assert not p["metadata"].get("finalizers")  # deletion is never blocked by the operator
+
+
+def test_precise_prefix_pool_exposes_kv_events_and_drops_them_again(k8s, kube, operator, namespace):
+    """The API server takes the kv-events container and Service ports (names and ports validated by it),
+    and server-side apply removes them when the pool leaves precise mode."""
+    apply(k8s, namespace, pool_yaml("px", routing={"prefix": {"mode": "precise", "kvEvents": {"port": 5600}}}))
+    wait_for(lambda: (pool(kube, namespace, "px").get("status") or {}).get("observedGeneration") == 1,
+             timeout=20, what="pool px's first status write")
+    assert condition(pool(kube, namespace, "px"), "Degraded")["status"] == "False"
+    svc = kube.get("v1", "Service", namespace, "px-engine")
+    assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [("http", 8000), ("state", 50051),
+                                                                       ("kv-events", 5600)]
+    dep = kube.get("apps/v1", "Deployment", namespace, "px-engine")
+    emu = dep["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "kv-events", "containerPort": 5600, "protocol": "TCP"} in emu["ports"]
+    assert emu["args"][-2] == "--kv-events-config" and '"endpoint":"tcp://*:5600"' in emu["args"][-1]
+    text = kube.get("v1", "ConfigMap", namespace, "px-routerd")["data"]["routerd.yaml"]
+    settings = yaml.safe_load(text)
+    assert settings["prefix"] == {"mode": "precise", "tokenizer": "bytes", "kv_events": {"port": 5600, "topic": ""}}
+    assert settings["kubernetes"]["kv_events_port_name"] == "kv-events"
+    k8s.kubectl("patch", "-n", namespace, "llmrouterpool/px", "--type=merge", "-p",
+                json.dumps({"spec": {"routing": {"prefix": {"mode": "approximate"}}}}))
+    wait_for(lambda: [p["name"] for p in kube.get("v1", "Service", namespace, "px-engine")["spec"]["ports"]]
+             == ["http", "state"], timeout=20, what="the kv-events Service port removed")
+    dep = kube.get("apps/v1", "Deployment", namespace, "px-engine")
+    emu = dep["spec"]["template"]["spec"]["containers"][0]
+    assert [p["name"] for p in emu["ports"]] == ["http"] and "--kv-events-config" not in emu["args"]
+    settings = yaml.safe_load(kube.get("v1", "ConfigMap", namespace, "px-routerd")["data"]["routerd.yaml"])
+    # The merge patch kept kvEvents.port: passed on as given, the engines no longer publish.
+    assert settings["prefix"] == {"mode": "approximate", "kv_events": {"port": 5600}}
+    assert "kv_events_port_name" not in settings["kubernetes"]
 
 
 def test_status_follows_the_instances(k8s, kube, operator, namespace, kcm):
