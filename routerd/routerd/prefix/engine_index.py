@@ -1,0 +1,475 @@
+"""One engine's prefix cache as its vLLM KV events report it: the state behind precise prefix routing.
+
+vLLM publishes, per scheduler step, a batch of ``BlockStored`` (full blocks became cached, with
+their token ids and their first block's parent), ``BlockRemoved`` (blocks evicted) and
+``AllBlocksCleared`` (the cache was reset) events (``vllm/distributed/kv_events.py``, wire format
+in :mod:`routerd.prefix.kv_wire`; facts in ``shared/docs/prefix-routing.md`` §1). vLLM's block
+hashes are seeded per process, so a router cannot recompute them from a request; instead this
+index maps each engine block hash to *our* key for the same block, chained from the event's token
+ids and the parent's key with :func:`routerd.prefix.text.stored_block_keys`, the keys
+:func:`routerd.prefix.text.token_prefix_blocks` gives the same blocks inside a request. A request's
+cached prefix on this engine is then its leading run of keys present here (:meth:`cached_blocks`),
+exactly vLLM's longest-cached-prefix lookup (whole blocks from the start, stopping at the first
+miss). llm-d's precise index does the same engine-key to request-key mapping
+(``llm-d/llm-d-kv-cache:pkg/kvevents/pool.go``, ``processEventBatch``); it keeps no sequence
+bookkeeping, which is what this module adds.
+
+Multiplicity: vLLM does not de-duplicate cached blocks (``vllm/v1/core/block_pool.py``: two
+requests computing the same block in one step cache two physical blocks with one hash, each
+with its own ``BlockStored`` and, at eviction, its own ``BlockRemoved``), and different engine
+hashes may share one of our keys; so both are counted, and a key is present while any engine
+block holds it.
+
+What is tracked: blocks of the device cache (``medium`` None or ``"GPU"``, configurable) of KV
+cache group 0 (or no group). Blocks of other media (CPU offload tiers) and other groups (hybrid
+models' sliding-window groups, which vLLM evicts on a different rule) are ignored and counted.
+Blocks of a LoRA adapter or with extra hash keys (multimodal inputs, ``cache_salt``: vLLM's
+``extra_keys``) get keys mixed with those, so neither they nor their descendants ever match a plain
+request's keys (vLLM would not give such a request a hit on them either).
+
+**Staleness** (:attr:`stale`, :attr:`stale_reason`): :meth:`cached_blocks` answers None, and the
+caller falls back to its approximate index, whenever the index may claim blocks the engine no
+longer has or miss many it has. vLLM's publisher numbers its batches 0, 1, 2, ... per process
+(``ZmqEventPublisher``: ``itertools.count()``, 8-byte big-endian frame), and its cache is empty
+when a process starts, so the index is *exact* once it has seen every batch since an empty
+cache. The reasons, with what happens to the entries:
+
+============== ====================================================== ===========
+reason         cause                                                  entries
+============== ====================================================== ===========
+``no_events``  no batch yet (the initial state; not a transition)     (empty)
+``late_join``  the first batch seen has seq > 0: the engine was       cleared
+               running before we subscribed
+``gap``        seq jumped past the next expected one: batches lost    cleared
+               (ZMQ drops at a high-water mark; removals may be lost,
+               so entries could be phantoms)
+``restart``    seq went back to a value > 0: a new publisher whose    cleared
+               first batches we missed
+``malformed``  a message we could not decode (its events are lost)    cleared
+``unkeyed``    more than ``max_unkeyed_fraction`` of the last         kept
+               ``settle_events`` stored events could not be keyed
+               (parent unknown, block size not ours, bad token ids):
+               the engine is extending blocks we do not know
+``silent``     no batch for ``stale_after_s`` although requests with  kept
+               uncached blocks were dispatched (:meth:`note_dispatch`):
+               the publisher stopped, or events are off
+============== ====================================================== ===========
+
+Losing entries only ever makes the index miss blocks (the safe direction: the caller falls back
+meanwhile), never claim ones the engine dropped. Recovery, counted by cause in
+:attr:`recoveries`:
+
+* ``fresh_start``: a batch with seq 0, first or after a restart (a new engine process, its cache
+  empty): cleared and exact from there;
+* ``cleared``: an ``AllBlocksCleared`` event (vLLM's ``reset_prefix_cache``; the cache is empty
+  right after it): cleared and exact;
+* ``settled``: after a ``late_join``, ``gap``, ``restart``, ``malformed`` or ``unkeyed`` loss,
+  ``settle_events`` consecutive stored events all keyed. A ``BlockStored`` whose parent we do
+  not know is the engine extending a cached block we lost (a request hit it); a clean run of
+  them says current traffic hits only blocks we know, so the index answers as an exact one
+  would for it. While traffic keeps hitting lost blocks (a hot system prompt cached before we
+  joined, which the engine never re-stores) the index stays stale, which is right: it does not
+  know them, and the approximate index does;
+* ``resumed``: after ``silent``, the next batch in sequence (nothing was lost).
+
+Duplicated batches (same seq and ``ts`` as the last one) are ignored. A seq lower than expected is a
+publisher restart (on one ZMQ PUB/SUB connection messages arrive in order; only vLLM's separate
+replay socket resends old batches, and it is not used here).
+
+**Memory bound**: at most ``max_blocks`` distinct engine block hashes. At the bound, storing a new
+one first forgets the oldest-stored one (counted in ``dropped_blocks["bound"]``): recent blocks are
+the likeliest still cached (vLLM evicts least recently used). A forgotten block is only a miss, but
+its children then have an unknown parent, so a bound below the engine's real block count (vLLM
+logs ``num_gpu_blocks``) shows as ``unkeyed`` staleness. Memory is about 250 bytes per block
+(two dict entries and the key), whatever the events.
+
+Time is the ``clock`` given (s, monotonic by default), read only for the ``silent`` rule. Pure
+Python and numpy: no ZMQ, no I/O; :mod:`routerd.daemon.kv_events` feeds it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import xxhash
+
+from routerd.prefix.chain import PrefixBlocks
+from routerd.prefix.text import stored_block_key, stored_block_keys
+
+if TYPE_CHECKING:
+    from routerd.prefix.kv_wire import BlockRemoved, BlockStored, EventBatch
+
+__all__ = ["DROP_CAUSES", "EngineBlockIndex", "RECOVERY_CAUSES", "STALE_REASONS"]
+
+#: Why the index may answer None, in the order of the table in the module docstring.
+STALE_REASONS: tuple[str, ...] = ("no_events", "late_join", "gap", "restart", "malformed", "unkeyed", "silent")
+#: How it becomes exact (or good enough) again.
+RECOVERY_CAUSES: tuple[str, ...] = ("fresh_start", "cleared", "settled", "resumed")
+#: Why stored blocks were not (or no longer) indexed.
+DROP_CAUSES: tuple[str, ...] = ("unknown_parent", "block_size", "token_count", "token_range", "medium", "group",
+                                "bound")
+
+_SETTLEABLE = frozenset(("late_join", "gap", "restart", "malformed", "unkeyed"))
+_MISSING = -1  # our keys are unsigned 64-bit: never negative
+
+
+class EngineBlockIndex:
+    """The blocks one engine instance holds, keyed as requests key theirs, from its KV events.
+
+    Args:
+        block_size: routerd's KV block size (tokens); events for another block size cannot be
+            keyed (vLLM's default 16, ``vllm/config/cache.py``).
+        max_blocks: most distinct engine block hashes held (see the module docstring); set it
+            at least to the engine's ``num_gpu_blocks``.
+        stale_after_s: seconds without a batch, after a dispatch that should have stored
+            blocks, before the index goes ``silent`` (None: never). A live vLLM publishes within
+            one scheduler step of caching a block; a long prefill under load takes seconds.
+        settle_events: stored events in the window that both the ``unkeyed`` rule and the
+            ``settled`` recovery look at.
+        max_unkeyed_fraction: the ``unkeyed`` rule's threshold, in [0, 1] (1: never).
+        media: ``medium`` values tracked (compared case-insensitively; None: vLLM versions that
+            send none, which is the device cache).
+        clock: monotonic seconds.
+
+    Raises:
+        ValueError: ``block_size``, ``max_blocks`` or ``settle_events`` < 1, ``stale_after_s`` <= 0,
+            or ``max_unkeyed_fraction`` outside [0, 1].
+    """
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        *,
+        max_blocks: int = 262_144,
+        stale_after_s: float | None = 30.0,
+        settle_events: int = 64,
+        max_unkeyed_fraction: float = 0.125,
+        media: Iterable[str | None] = (None, "GPU"),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, v in (("block_size", block_size), ("max_blocks", max_blocks), ("settle_events", settle_events)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"EngineBlockIndex: {name} must be an integer >= 1, got {v!r}")
+        if stale_after_s is not None and not stale_after_s > 0:
+            raise ValueError(f"EngineBlockIndex: stale_after_s must be > 0 or None, got {stale_after_s!r}")
+        if not 0.0 <= max_unkeyed_fraction <= 1.0:
+            raise ValueError(f"EngineBlockIndex: max_unkeyed_fraction must lie in [0, 1], got {max_unkeyed_fraction!r}")
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.stale_after_s = stale_after_s
+        self._clock = clock
+        self._media = frozenset(m.upper() if isinstance(m, str) else m for m in media)
+        self._unkeyed_limit = int(max_unkeyed_fraction * settle_events)
+
+        # engine block hash -> our key, oldest stored first; copies beyond the first per hash.
+        self._by_hash: OrderedDict[Any, int] = OrderedDict()
+        self._copies: dict[Any, int] = {}
+        # our key -> engine blocks holding it (> 0; absent at 0).
+        self._keys: dict[int, int] = {}
+
+        self._expected: int | None = None  # next seq expected; None before the first batch
+        self._last_ts: float | None = None
+        self._loss: str | None = "no_events"
+        self._silent = False
+        self._awaiting_since: float | None = None  # first dispatch not yet followed by a batch
+        self._window: deque[bool] = deque(maxlen=settle_events)  # per stored event: unkeyed?
+        self._unkeyed_in_window = 0
+
+        self.stale_transitions: dict[str, int] = dict.fromkeys(STALE_REASONS, 0)
+        """Times the index went from answering to stale, by reason (``no_events`` stays 0)."""
+        self.recoveries: dict[str, int] = dict.fromkeys(RECOVERY_CAUSES, 0)
+        """Times it went from stale to answering, by cause."""
+        self.dropped_blocks: dict[str, int] = dict.fromkeys(DROP_CAUSES, 0)
+        """Stored blocks not indexed, or forgotten at the bound (``bound``), by cause (blocks)."""
+        self.batches_applied = 0
+        """Batches whose events were applied (duplicates and malformed messages excluded)."""
+        self.batches_missed = 0
+        """Batches skipped by sequence gaps (the sum of the gaps' sizes)."""
+        self.batches_duplicate = 0
+        """Batches ignored as repeats of the previous one."""
+        self.batches_malformed = 0
+        """Messages that could not be decoded (:meth:`record_malformed`)."""
+        self.restarts = 0
+        """Sequence numbers going back: publisher restarts."""
+        self.removed_unknown = 0
+        """``BlockRemoved`` hashes not held (stored before we joined, dropped, or never keyed)."""
+        self.hash_conflicts = 0
+        """Engine hashes stored again with other content than we keyed them with (replaced)."""
+        self.stale_answers = 0
+        """:meth:`cached_blocks` calls answered None."""
+
+    # --- what the policies ask ----------------------------------------------------------------
+
+    @property
+    def stale(self) -> bool:
+        """Whether :meth:`cached_blocks` answers None now (the silence rule is checked by :meth:`check`)."""
+        return self._loss is not None or self._silent
+
+    @property
+    def stale_reason(self) -> str | None:
+        """The current stale reason (one of :data:`STALE_REASONS`), or None while answering."""
+        return self._loss if self._loss is not None else ("silent" if self._silent else None)
+
+    def check(self) -> str | None:
+        """Apply the ``silent`` rule at the clock's now; returns :attr:`stale_reason`."""
+        since = self._awaiting_since
+        if (since is not None and not self._silent and self.stale_after_s is not None
+                and self._clock() - since >= self.stale_after_s):
+            if not self.stale:
+                self.stale_transitions["silent"] += 1
+            self._silent = True
+        return self.stale_reason
+
+    def cached_blocks(self, prefix: PrefixBlocks | None) -> int | None:
+        """Leading blocks of ``prefix`` this engine holds (blocks), or None while stale.
+
+        ``prefix``: a request's token-block extents, ``(key, 1)`` each
+        (:func:`routerd.prefix.text.token_prefix_blocks` with routerd's ``block_size`` and root
+        0); an extent ``(key, n)`` counts ``n`` blocks when its key is present. Walks the
+        extents until the first absent key (vLLM's lookup stops there too): O(matched blocks).
+        None prefix: 0.
+        """
+        if self._awaiting_since is not None:
+            self.check()
+        if self._loss is not None or self._silent:
+            self.stale_answers += 1
+            return None
+        if prefix is None:
+            return 0
+        keys = self._keys
+        total = 0
+        for k, n in prefix.extents:
+            if k not in keys:
+                break
+            total += n
+        return total
+
+    def note_dispatch(self, uncached_blocks: int) -> None:
+        """A request was dispatched to this engine with ``uncached_blocks`` full prompt blocks it
+        does not hold (blocks): the engine should publish ``BlockStored`` events soon, so the
+        ``silent`` clock starts if it is not already running. 0 or less: nothing expected."""
+        if uncached_blocks > 0 and self._awaiting_since is None:
+            self._awaiting_since = self._clock()
+
+    # --- state, for metrics and tests ---------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Distinct engine block hashes held (what ``max_blocks`` bounds)."""
+        return len(self._by_hash)
+
+    @property
+    def num_keys(self) -> int:
+        """Distinct keys held (<= :attr:`size`)."""
+        return len(self._keys)
+
+    def key_count(self, key: int) -> int:
+        """Engine blocks holding ``key`` (0 when absent)."""
+        return self._keys.get(key, 0)
+
+    # --- feeding it ---------------------------------------------------------------------------
+
+    def apply(self, batch: "EventBatch", seq: int) -> None:
+        """Apply one decoded batch with its ZMQ sequence number (see the module docstring).
+
+        Never raises for well-typed events (what :func:`routerd.prefix.kv_wire.decode_batch`
+        returns): events that cannot be keyed are dropped and counted.
+        """
+        self._awaiting_since = None
+        exp = self._expected
+        if exp is None:
+            if seq == 0:
+                self._fresh("fresh_start")
+            else:
+                self._lose("late_join", clear=True)
+        elif seq == exp or (seq == exp - 1 and batch.ts == self._last_ts):
+            if self._silent:  # nothing was lost meanwhile: the publisher was only quiet
+                self._silent = False
+                if self._loss is None:
+                    self.recoveries["resumed"] += 1
+            if seq != exp:
+                self.batches_duplicate += 1
+                return
+        elif seq > exp:
+            self.batches_missed += seq - exp
+            self._lose("gap", clear=True)
+        else:
+            self.restarts += 1
+            if seq == 0:
+                self._fresh("fresh_start")
+            else:
+                self._lose("restart", clear=True)
+        self._silent = False
+        self._expected = seq + 1
+        self._last_ts = batch.ts
+        for ev in batch.events:
+            kind = type(ev).__name__  # vLLM's msgspec tag is the class name as well
+            if kind == "BlockStored":
+                self._stored(ev)  # type: ignore[arg-type]
+            elif kind == "BlockRemoved":
+                self._removed(ev)  # type: ignore[arg-type]
+            elif kind == "AllBlocksCleared":
+                self._fresh("cleared")
+        self.batches_applied += 1
+
+    def record_malformed(self, seq: int | None = None) -> None:
+        """A message from this engine's publisher could not be decoded; ``seq`` is its sequence
+        number when the frames could be parsed (so the next batch is not taken for a gap)."""
+        self._awaiting_since = None
+        self.batches_malformed += 1
+        if seq is not None:
+            if self._expected is not None and seq > self._expected:
+                self.batches_missed += seq - self._expected
+            self._expected = seq + 1
+            self._last_ts = None
+        self._lose("malformed", clear=True)
+        self._silent = False
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _clear(self) -> None:
+        self._by_hash.clear()
+        self._copies.clear()
+        self._keys.clear()
+
+    def _reset_window(self) -> None:
+        self._window.clear()
+        self._unkeyed_in_window = 0
+
+    def _lose(self, reason: str, *, clear: bool) -> None:
+        if clear:
+            self._clear()
+        if not self.stale:
+            self.stale_transitions[reason] += 1
+        self._loss = reason
+        self._reset_window()
+
+    def _fresh(self, cause: str) -> None:
+        was = self.stale
+        self._clear()
+        self._loss = None
+        self._silent = False
+        self._reset_window()
+        if was:
+            self.recoveries[cause] += 1
+
+    def _record(self, unkeyed: bool) -> None:
+        w = self._window
+        if len(w) == w.maxlen and w[0]:
+            self._unkeyed_in_window -= 1
+        w.append(unkeyed)
+        if unkeyed:
+            self._unkeyed_in_window += 1
+        if self._loss is None:
+            if self._unkeyed_in_window > self._unkeyed_limit:
+                self._lose("unkeyed", clear=False)
+        elif self._loss in _SETTLEABLE and self._unkeyed_in_window == 0 and len(w) == w.maxlen:
+            self._loss = None
+            if not self._silent:
+                self.recoveries["settled"] += 1
+
+    def _tracked(self, medium: str | None, group: int | None) -> bool:
+        return (medium.upper() if isinstance(medium, str) else medium) in self._media and group in (None, 0)
+
+    def _stored(self, ev: "BlockStored") -> None:
+        hashes = ev.block_hashes
+        n = len(hashes)
+        if n == 0:
+            return
+        group = getattr(ev, "group_idx", None)
+        if not self._tracked(ev.medium, group):
+            self.dropped_blocks["medium" if group in (None, 0) else "group"] += n
+            return
+        bs = self.block_size
+        if ev.block_size != bs:
+            self._drop("block_size", n)
+            return
+        if len(ev.token_ids) != n * bs:
+            self._drop("token_count", n)
+            return
+        parent = ev.parent_block_hash
+        if parent is None:
+            pkey: int | None = None
+        else:
+            pkey = self._by_hash.get(parent, _MISSING)
+            if pkey == _MISSING:
+                self._drop("unknown_parent", n)
+                return
+        try:
+            keys = self._keys_of(pkey, ev)
+        except ValueError:  # a token id outside 0 .. 2^32 - 1
+            self._drop("token_range", n)
+            return
+        for h, k in zip(hashes, keys):
+            self._add(h, k)
+        self._record(False)
+
+    def _drop(self, cause: str, n: int) -> None:
+        self.dropped_blocks[cause] += n
+        self._record(True)
+
+    def _keys_of(self, pkey: int | None, ev: "BlockStored") -> list[int]:
+        lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
+        extra = getattr(ev, "extra_keys", None)
+        if lora is None and (not extra or all(e is None for e in extra)):
+            return stored_block_keys(pkey, ev.token_ids, self.block_size)
+        # LoRA blocks and blocks with extra hash keys: vLLM mixes those into every such block's
+        # hash, so mix them into the parent key per block (their chains never meet plain ones).
+        bs = self.block_size
+        toks = ev.token_ids
+        out: list[int] = []
+        k = 0 if pkey is None else pkey
+        for j in range(len(ev.block_hashes)):
+            e = extra[j] if extra is not None and j < len(extra) else None
+            if lora is not None or e is not None:
+                k = xxhash.xxh64_intdigest(repr((lora, e)).encode(), seed=k)
+            k = stored_block_key(k, toks[j * bs:(j + 1) * bs])
+            out.append(k)
+        return out
+
+    def _add(self, h: Any, k: int) -> None:
+        by_hash = self._by_hash
+        old = by_hash.get(h, _MISSING)
+        if old == _MISSING:
+            if len(by_hash) >= self.max_blocks:
+                oh, ok = by_hash.popitem(last=False)
+                self._unhold(ok, 1 + self._copies.pop(oh, 0))
+                self.dropped_blocks["bound"] += 1
+            by_hash[h] = k
+        elif old == k:
+            self._copies[h] = self._copies.get(h, 0) + 1
+            by_hash.move_to_end(h)
+        else:
+            self.hash_conflicts += 1
+            self._unhold(old, 1 + self._copies.pop(h, 0))
+            by_hash[h] = k
+            by_hash.move_to_end(h)
+        self._keys[k] = self._keys.get(k, 0) + 1
+
+    def _unhold(self, k: int, copies: int) -> None:
+        c = self._keys[k] - copies
+        if c > 0:
+            self._keys[k] = c
+        else:
+            del self._keys[k]
+
+    def _removed(self, ev: "BlockRemoved") -> None:
+        if not self._tracked(ev.medium, getattr(ev, "group_idx", None)):
+            return
+        by_hash, copies = self._by_hash, self._copies
+        for h in ev.block_hashes:
+            k = by_hash.get(h, _MISSING)
+            if k == _MISSING:
+                self.removed_unknown += 1
+                continue
+            c = copies.get(h)
+            if c:
+                if c == 1:
+                    del copies[h]
+                else:
+                    copies[h] = c - 1
+            else:
+                del by_hash[h]
+            self._unhold(k, 1)
