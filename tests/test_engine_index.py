@@ -73,14 +73,33 @@ def test_a_stored_chain_is_found_as_the_leading_blocks_of_a_request():
 def test_a_removed_block_ends_the_run_even_if_later_blocks_remain():
     f = fresh()
     f.send(stored([101, 102, 103], None, A, B, C))
+    assert f.idx.orphans == 0
     f.send(BlockRemoved([102]))
+    assert f.idx.orphans == 1  # C is held without B: lookups walk
     assert f.idx.cached_blocks(req(A, B, C)) == 1
     f.send(BlockRemoved([101, 555]))  # 555 was never stored
     assert f.idx.cached_blocks(req(A, B, C)) == 0
     assert f.idx.removed_unknown == 1
     assert f.idx.size == 1 and f.idx.num_keys == 1  # C stays until its own removal
     f.send(BlockRemoved([103]))
-    assert f.idx.size == 0 and f.idx.num_keys == 0
+    assert f.idx.size == 0 and f.idx.num_keys == 0 and f.idx.orphans == 0
+
+
+def test_long_prompts_bisect_and_walk_to_the_same_answers():
+    blocks = [[i, i + 1, i + 2, i + 3] for i in range(0, 4 * 600, 4)]  # 600 blocks
+    f = fresh()
+    f.send(stored(range(1, 601), None, *blocks))
+    q = req(*blocks)
+    assert f.idx.cached_blocks(q) == 600 and f.idx.orphans == 0
+    f.send(BlockRemoved(list(range(401, 601))))  # tail first, as vLLM evicts: still no orphan
+    assert f.idx.orphans == 0
+    for k in (1, 2, 399, 400, 401, 600):
+        assert f.idx.cached_blocks(req(*blocks[:k])) == min(k, 400), k
+    f.send(BlockRemoved([100]))  # a hole: blocks 100 .. 399 held without block 99
+    assert f.idx.orphans == 1
+    assert f.idx.cached_blocks(q) == 99 and f.idx.cached_blocks(req(*blocks[:50])) == 50
+    f.send(stored([100], 99, blocks[99]))  # the hole refilled
+    assert f.idx.orphans == 0 and f.idx.cached_blocks(q) == 400
 
 
 def test_copies_of_one_hash_and_hashes_sharing_a_key_are_counted():
@@ -358,6 +377,8 @@ def test_random_events_agree_with_a_multiset_of_token_prefixes(seq_ops, per_batc
     f.send(*batch)
     assert f.idx.stale_reason is None
     assert f.idx.size == sum(1 for c in present.values() if c > 0)
+    held = {p for p, c in present.items() if c > 0}
+    assert f.idx.orphans == sum(1 for p in held if len(p) > 1 and p[:-1] not in held)
     for path in PATHS:
         expect = 0
         while expect < len(path) and present.get(path[: expect + 1], 0) > 0:
