@@ -237,47 +237,63 @@ def test_malformed_messages_are_counted_logged_once_and_do_not_stop_later_ones(c
     assert "e0" in msg and "stale (malformed)" in msg and "expected 3 frames" in msg
 
 
+async def _flood(n: int, **sub_kw) -> int:
+    """Publish ``n`` alternating store/remove batches from a thread; returns how many times a
+    concurrent task was scheduled while the subscriber absorbed them."""
+    pub, idx = Publisher(), index()
+    sub = KVEventSubscriber(**sub_kw)
+    ticks = 0
+    done = asyncio.Event()
+
+    async def ticker():
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            await asyncio.sleep(0)
+
+    store = encode_batch(EventBatch(1.0, [stored([1], None, A)], 0))
+    remove = encode_batch(EventBatch(1.0, [BlockRemoved([1], "GPU")], 0))
+
+    def flood():  # the publisher's own thread, as in vLLM: the event loop stays free
+        for i in range(n):
+            pub.sock.send_multipart(frames(b"", i, remove if i % 2 else store))
+
+    try:
+        await subscribed(sub, pub, "e0", idx)
+        t = asyncio.get_running_loop().create_task(ticker())
+        th = threading.Thread(target=flood)
+        th.start()
+        try:
+            await until(lambda: idx.batches_applied == n, f"{n} batches")
+        finally:
+            th.join()
+            done.set()
+            await t
+        assert idx.batches_missed == 0 and idx.stale_reason is None and idx.size == 0
+        assert sub.stats("e0").messages == n
+    finally:
+        await sub.close()
+        pub.close()
+    return ticks
+
+
 def test_a_flood_is_absorbed_while_other_tasks_keep_running():
     n, burst = 50_000, 64
+    ticks = []
+    run(lambda: _flood_into(ticks, n, max_per_wake=burst))
+    # At most `burst` messages per loop iteration, and the ticker runs in every iteration.
+    assert ticks[0] >= n // burst - 2, ticks
 
-    async def main():
-        pub, idx = Publisher(), index()
-        sub = KVEventSubscriber(max_per_wake=burst)
-        ticks = 0
-        done = asyncio.Event()
 
-        async def ticker():
-            nonlocal ticks
-            while not done.is_set():
-                ticks += 1
-                await asyncio.sleep(0)
+def test_the_time_budget_ends_a_burst_early():
+    n = 2_000
+    ticks = []
+    run(lambda: _flood_into(ticks, n, max_per_wake=10_000, burst_s=1e-9))  # one message per wake-up
+    assert ticks[0] >= n - 2, ticks
 
-        store = encode_batch(EventBatch(1.0, [stored([1], None, A)], 0))
-        remove = encode_batch(EventBatch(1.0, [BlockRemoved([1], "GPU")], 0))
 
-        def flood():  # the publisher's thread, as vLLM's: the loop stays free
-            for i in range(n):
-                pub.sock.send_multipart(frames(b"", i, remove if i % 2 else store))
-
-        try:
-            await subscribed(sub, pub, "e0", idx)
-            t = asyncio.get_running_loop().create_task(ticker())
-            th = threading.Thread(target=flood)
-            th.start()
-            try:
-                await until(lambda: idx.batches_applied == n, f"{n} batches")
-            finally:
-                th.join()
-                done.set()
-                await t
-            assert idx.batches_missed == 0 and idx.stale_reason is None and idx.size == 0
-            # At most `burst` messages per loop iteration, and the ticker runs in every one.
-            assert ticks >= n // burst - 2, ticks
-        finally:
-            await sub.close()
-            pub.close()
-
-    run(main)
+async def _flood_into(out: list, n: int, **kw) -> None:
+    out.append(await _flood(n, **kw))
 
 
 def test_remove_stops_consumption_and_close_leaves_nothing_behind():

@@ -18,10 +18,11 @@ Robustness, as a production router needs it:
   batch) is counted (:attr:`EndpointStats.malformed`) and marks the index stale through
   :meth:`EngineBlockIndex.record_malformed`; later good messages are applied as usual. Each
   stale reason is logged once per endpoint at WARNING (with the first malformed message's
-  error), then at DEBUG; so is each recovery, at INFO;
-* **a flooding publisher** cannot starve the event loop: at most ``max_per_wake`` messages are
-  handled per wake-up, then the consumer yields (``await asyncio.sleep(0)``) so routing,
-  proxying and health checks run between bursts; ``RCVHWM`` bounds the messages queued in the
+  error), then at DEBUG; the first return to answering at INFO, later ones at DEBUG;
+* **a flooding publisher** cannot starve the event loop: at most ``max_per_wake`` messages, and
+  no more than ``burst_s`` of work (a batch of long prompts' blocks costs about 2 us per block
+  to key), are handled per wake-up, then the consumer yields (``await asyncio.sleep(0)``) so
+  routing, proxying and health checks run between bursts; ``RCVHWM`` bounds the messages queued in the
   socket (beyond it ZMQ drops at the publisher, which the index sees as a gap), and
   ``MAXMSGSIZE`` bounds one message (a larger one drops the connection; ZMQ reconnects);
 * **a dead or restarted publisher**: ZMQ reconnects by itself (every 100 ms, backing off to
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -86,6 +88,8 @@ class KVEventSubscriber:
         rcvhwm: messages queued per socket before ZMQ stops reading (the publisher then drops
             them: the index sees a gap). vLLM's own PUB queue is 100,000 (``hwm``).
         max_per_wake: messages handled per event-loop wake-up before yielding.
+        burst_s: seconds of work per wake-up after which the consumer yields even before
+            ``max_per_wake`` messages (checked after each message).
         check_interval_s: how often (s) an idle endpoint's index checks its ``silent`` rule.
         max_message_bytes: largest message accepted (bytes); a larger one closes the connection
             (ZMQ ``MAXMSGSIZE``; ZMQ reconnects). A vLLM batch carries the token ids of the blocks
@@ -104,17 +108,20 @@ class KVEventSubscriber:
         *,
         rcvhwm: int = 10_000,
         max_per_wake: int = 256,
+        burst_s: float = 0.002,
         check_interval_s: float = 1.0,
         max_message_bytes: int = 64 * 1024 * 1024,
         reconnect_ivl_max_ms: int = 5_000,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
-        for name, v in (("rcvhwm", rcvhwm), ("max_per_wake", max_per_wake), ("check_interval_s", check_interval_s),
+        for name, v in (("rcvhwm", rcvhwm), ("max_per_wake", max_per_wake), ("burst_s", burst_s),
+                        ("check_interval_s", check_interval_s),
                         ("max_message_bytes", max_message_bytes), ("reconnect_ivl_max_ms", reconnect_ivl_max_ms)):
             if not v > 0:
                 raise ValueError(f"KVEventSubscriber: {name} must be > 0, got {v!r}")
         self.rcvhwm = rcvhwm
         self.max_per_wake = max_per_wake
+        self.burst_s = burst_s
         self.check_interval_s = check_interval_s
         self.max_message_bytes = max_message_bytes
         self.reconnect_ivl_max_ms = reconnect_ivl_max_ms
@@ -218,7 +225,8 @@ class KVEventSubscriber:
         log.debug("kv events: %s unsubscribed from %s", ep.name, ep.address)
 
     async def _consume(self, ep: _Endpoint) -> None:
-        sock, shadow, burst = ep.sock, ep.shadow, self.max_per_wake
+        sock, shadow, burst, budget = ep.sock, ep.shadow, self.max_per_wake, self.burst_s
+        clock = time.perf_counter
         try:
             while True:
                 try:
@@ -227,9 +235,12 @@ class KVEventSubscriber:
                     ep.index.check()
                     self._note(ep)
                     continue
+                start = clock()
                 self._handle(ep, parts)
                 # Drain what is already queued without going back to the loop, up to the burst.
                 for _ in range(burst - 1):
+                    if clock() - start > budget:
+                        break
                     try:
                         parts = shadow.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
