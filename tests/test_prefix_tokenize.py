@@ -49,9 +49,11 @@ def _bpe(tmp_path, pre_tokenized: bool):
         alphabet = pre_tokenizers.ByteLevel.alphabet()
     else:  # one "word" per text, as SentencePiece-style tokenizers without a pre-tokenizer
         alphabet = sorted({c for s in CORPUS for c in s})
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"], initial_alphabet=alphabet, show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"], initial_alphabet=alphabet,
+                                  show_progress=False)
     tok.train_from_iterator(CORPUS * 20, trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
     path = tmp_path / f"bpe_{int(pre_tokenized)}.json"
     tok.save(str(path))
     return path
@@ -129,7 +131,8 @@ def test_encode_refuses_what_it_cannot_tokenize(tmp_path):
         def encode(self, text, add_special_tokens=True):
             raise Exception("Truncation error: second sequence not provided\nmore detail")
 
-    with pytest.raises(ValueError, match=r"^tokenizer x\.json failed to encode: Truncation error: second sequence not provided$"):
+    msg = r"^tokenizer x\.json failed to encode: Truncation error: second sequence not provided$"
+    with pytest.raises(ValueError, match=msg):
         HFTokenizer(Broken(), "x.json").encode("hello")
 
 

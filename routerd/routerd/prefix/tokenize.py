@@ -145,7 +145,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
     try:
         data = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise TokenizerUnavailable(f"tokenizer file {path} cannot be read ({type(e).__name__}: {_first_line(e)})") from None
+        why = f"{type(e).__name__}: {_first_line(e)}"
+        raise TokenizerUnavailable(f"tokenizer file {path} cannot be read ({why})") from None
     try:
         json.loads(data)
     except ValueError as e:
@@ -159,5 +160,6 @@ def load_tokenizer(spec: str) -> Tokenizer:
     try:
         inner = _HF.from_str(data)
     except Exception as e:  # tokenizers raises plain Exception for a file it cannot parse
-        raise TokenizerUnavailable(f"tokenizer file {path} is not a Hugging Face tokenizer.json ({_first_line(e)})") from None
+        why = _first_line(e)
+        raise TokenizerUnavailable(f"tokenizer file {path} is not a Hugging Face tokenizer.json ({why})") from None
     return HFTokenizer(inner, str(path))
