@@ -26,7 +26,7 @@ Robustness, as a production router needs it:
   socket (beyond it ZMQ drops at the publisher, which the index sees as a gap), and
   ``MAXMSGSIZE`` bounds one message (a larger one drops the connection; ZMQ reconnects);
 * **a dead or restarted publisher**: ZMQ reconnects by itself (every 100 ms, backing off to
-  ``reconnect_ivl_max_ms``); a restarted vLLM numbers from 0 again, which the index detects;
+  ``reconnect_ivl_max_ms``; ZMTP heartbeats every 5 s notice a peer gone without a goodbye); a restarted vLLM numbers from 0 again, which the index detects;
   silence is checked every ``check_interval_s`` even when nothing arrives (the socket's receive
   timeout), so its ``silent`` transition is logged without a request asking;
 * **teardown**: :meth:`remove` and :meth:`close` cancel the consumer task, close its socket with
@@ -159,6 +159,10 @@ class KVEventSubscriber:
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)
             sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.check_interval_s * 1000)))
             sock.setsockopt(zmq.IPV6, 1)
+            # ZMTP heartbeats: a publisher that vanished without closing its connection (its
+            # node lost) is noticed and reconnected to instead of waited on forever.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 5_000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15_000)
             sock.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
             sock.connect(address)
         except (zmq.ZMQError, TypeError, ValueError) as e:
