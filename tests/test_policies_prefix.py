@@ -39,7 +39,7 @@ def preq(prompt, prefix, now=0.0):
 class Eng(StaticInstanceView):
     """A view whose engine reports cached blocks (KV events) and pending prefill tokens."""
 
-    cached: int = 0
+    cached: int | None = 0
     pending: int = 0
     calls: list = field(default_factory=list)
 
@@ -137,6 +137,9 @@ def test_view_helpers_fall_back():
     assert cached_blocks(plain, P8, ix, "precise") == 8  # no KV events: the index answers
     assert cached_blocks(e, P8, ix, "approximate") == 8
     assert cached_blocks(Eng(0, cached=3), P8, ix, "precise") == 3
+    stale = Eng(0, cached=None)  # a view whose event index is stale answers None
+    assert engine_cached_blocks(stale, P8) is None
+    assert cached_blocks(stale, P8, ix, "precise") == 8  # the approximate index answers for it
 
 
 # --- llmd --------------------------------------------------------------------------------------

@@ -244,14 +244,19 @@ def engine_cached_blocks(inst: "InstanceView", prefix: PrefixBlocks | None) -> i
 
     Calls the view's optional ``engine_cached_blocks(prefix)`` (precise mode: llm-d precise
     prefix scorer, Dynamo's KV-event indexer), clamped to ``0 .. prefix.num_blocks``; None when
-    the view has no such method (the caller then uses its approximate index). 0 for no prefix.
+    the view has no such method or its method answers None (routerd: that instance's event index
+    is stale, :mod:`routerd.prefix.engine_index`): the caller then uses its approximate index.
+    0 for no prefix.
     """
     if prefix is None:
         return 0
     fn = getattr(inst, "engine_cached_blocks", None)
     if fn is None:
         return None
-    n = int(fn(prefix))
+    n = fn(prefix)
+    if n is None:
+        return None
+    n = int(n)
     return 0 if n < 0 else min(n, prefix.num_blocks)
 
 
