@@ -35,6 +35,15 @@ How this module does it at the cost of extents, not blocks (:mod:`routerd.prefix
   sync first, so this is exact, and an instance whose queue holds no hashed block (a trace
   without prefix identity) pays one comparison per operation.
 
+A listener (``PrefixCache(num_blocks, listener)``) learns every change of ``cached``:
+``stored(h, lo, hi)`` when blocks ``lo .. hi-1`` of ``h`` become cached (``cached[h]`` goes from
+``lo`` to ``hi``), ``removed(h, lo, hi)`` when they stop being cached (from ``hi`` down to
+``lo``: evicted, or cut off above an evicted block), ``cleared()`` at :meth:`PrefixCache.reset`.
+Replaying the calls reproduces ``cached`` exactly at every moment (the emulator builds vLLM's
+``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events from them). Evictions are
+reported when they are applied, at the sync before the next operation, as everything else
+here sees them. Without a listener the cost is one attribute test where ``cached`` changes.
+
 Approximations (each documented where it is made):
 
 * A block a request computes although the same hash is cached (the block after a capped hit,
@@ -47,7 +56,7 @@ Approximations (each documented where it is made):
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from typing import Protocol, Sequence
 
 
 class PrefixState:
@@ -76,6 +85,19 @@ class PrefixState:
         """True once the request computed a private copy in extent ``ei`` (the rest is private)."""
 
 
+class CacheListener(Protocol):
+    """Told every change of :attr:`PrefixCache.cached` (see the module docstring)."""
+
+    def stored(self, h: int, lo: int, hi: int) -> None:
+        """Blocks ``lo .. hi-1`` of extent ``h`` became cached (``cached[h]``: ``lo`` -> ``hi``)."""
+
+    def removed(self, h: int, lo: int, hi: int) -> None:
+        """Blocks ``lo .. hi-1`` of extent ``h`` are no longer cached (``cached[h]``: ``hi`` -> ``lo``)."""
+
+    def cleared(self) -> None:
+        """Every block's hash was dropped (:meth:`PrefixCache.reset`)."""
+
+
 class PrefixCache:
     """vLLM V1's block pool for prefix caching, one per simulated instance.
 
@@ -85,9 +107,12 @@ class PrefixCache:
 
     Args:
         num_blocks: KV blocks of the instance (all free at first, without hashes).
+        listener: told every change of :attr:`cached` (:class:`CacheListener`), or None.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, listener: CacheListener | None = None) -> None:
+        self.listener = listener
+        """:class:`CacheListener` of every change of :attr:`cached`, or None (may be set later)."""
         self.cached: dict[int, int] = {}
         """Extent hash -> leading blocks cached (in use or free)."""
         self.holders: dict[int, dict[int, int]] = {}
@@ -175,6 +200,8 @@ class PrefixCache:
                 self.evicted += t
                 if self._runs_of[h][0] is run:
                     # The oldest run of h holds its top blocks: the cached prefix ends at hi.
+                    if self.listener is not None:
+                        self.listener.removed(h, hi, self.cached[h])
                     if hi:
                         self.cached[h] = hi
                     else:
@@ -189,6 +216,8 @@ class PrefixCache:
 
     def _cut(self, h: int, length: int) -> None:
         """Extent ``h`` is now cached only up to ``length`` blocks (its block ``length`` was evicted)."""
+        if self.listener is not None:
+            self.listener.removed(h, length, self.cached[h])
         if length:
             self.cached[h] = length
         else:
@@ -338,6 +367,8 @@ class PrefixCache:
                 hl[1] = eo
                 hm[eo] = hm.get(eo, 0) + 1
                 self.cached[h] = eo
+                if self.listener is not None:
+                    self.listener.stored(h, eo - left, eo)
                 st.held += left
                 st.eo = eo
                 st.reg = upto
@@ -374,6 +405,8 @@ class PrefixCache:
                         else:
                             hm[k] = hm.get(k, 0) + 1
                     cached[h] = eo + k
+                    if self.listener is not None:
+                        self.listener.stored(h, eo, eo + k)
                     st.held += k
                 else:
                     priv = True
@@ -425,6 +458,25 @@ class PrefixCache:
         st.ei = st.eo = 0
         st.priv = False
         return freed
+
+    def reset(self, free: int) -> bool:
+        """Drop every block's hash (vLLM's ``reset_prefix_cache``), if no request holds a block
+        through the cache; returns whether it did. ``free``: the instance's free blocks.
+
+        vLLM refuses while any block is in use (``BlockPool.reset_prefix_cache``); the caller
+        checks its hash-less blocks too (an instance with nothing running).
+        """
+        if self.holders:
+            return False
+        # Blocks allocated since the last sync simply stay allocated: the queue is all hash-less.
+        if self.listener is not None:
+            self.listener.cleared()
+        self.cached.clear()
+        self._runs_of.clear()
+        self._queue.clear()
+        self.cached_free = 0
+        self.qsize = free
+        return True
 
     # ------------------------------------------------------------------ checks
     def check(self, free: int) -> None:
