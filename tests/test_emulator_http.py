@@ -47,15 +47,18 @@ def _write_profile(folder: Path, fields: dict) -> str:
 @pytest.fixture(scope="module")
 def timed(tmp_path_factory):
     path = _write_profile(tmp_path_factory.mktemp("prof"), TIMED)
-    with EmulatorProcess("--port", "0", "--profile", path, "--model", "toy-model", "--default-max-tokens", "16") \
-            as emu:
+    # Hand-computed timings assume every prompt is computed: repeated prompts must not hit
+    # (prefix caching is tested in test_emulator_prefix.py).
+    with EmulatorProcess("--port", "0", "--profile", path, "--model", "toy-model", "--default-max-tokens", "16",
+                         "--no-enable-prefix-caching") as emu:
         yield emu
 
 
 @pytest.fixture(scope="module")
 def tiny_kv(tmp_path_factory):
     path = _write_profile(tmp_path_factory.mktemp("prof"), TINY_KV)
-    with EmulatorProcess("--port", "0", "--profile", path, "--model", "toy-model") as emu:
+    with EmulatorProcess("--port", "0", "--profile", path, "--model", "toy-model", "--no-enable-prefix-caching") \
+            as emu:
         yield emu
 
 

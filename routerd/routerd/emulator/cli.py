@@ -23,6 +23,9 @@ _FIELDS = {
     "--seed": "seed",
     "--fixed-timing": "fixed_timing",
     "--default-max-tokens": "default_max_tokens",
+    "--enable-prefix-caching": "enable_prefix_caching",
+    "--kv-events-config": "kv_events_config",
+    "--kv-events-layout": "kv_events_layout",
 }
 
 
@@ -55,6 +58,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--default-max-tokens", default=None,
                    help=f"output tokens of requests without max_tokens (default {DEFAULT_MAX_TOKENS}); "
                         "outputs always run to max_tokens, as with vLLM's ignore_eos")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="automatic prefix caching, as vLLM V1 (default: the profile's prefix_caching, on in "
+                        "every shipped profile): a prompt's token ids (the byte tokenizer's, 4 UTF-8 bytes per "
+                        "token, of the prompt text or a chat request's 'role: content' lines; token-id "
+                        "prompts as given) are cached in full blocks (the profile's block_size, 16) and a later request's longest "
+                        "cached prefix skips its prefill (the last prompt token is always computed); "
+                        "counted in vllm:prefix_cache_queries/hits. Blocks of generated tokens are not "
+                        "cached (vLLM caches them too; the emulator's filler output has no token ids to "
+                        "share)")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="vLLM's KV-cache events, same keys: e.g. '{\"enable_kv_cache_events\": true}' "
+                        "publishes BlockStored/BlockRemoved/AllBlocksCleared msgpack batches on a ZMQ PUB "
+                        "socket (endpoint default tcp://*:5557, topic \"\", hwm 100000), one batch per "
+                        "engine step that changed the cache; block hashes are seeded per process (key "
+                        "blocks by their token ids). replay_endpoint is not emulated. POST "
+                        "/reset_prefix_cache publishes AllBlocksCleared")
+    p.add_argument("--kv-events-layout", default=None, choices=("array", "map", "map-batch"),
+                   help="msgpack layout of the events: array (vLLM <= 0.23, array_like structs), map "
+                        "(default; vLLM >= 0.24: events as tagged maps in a positional batch), map-batch "
+                        "(vLLM main: the batch a map too)")
 
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None):
@@ -76,7 +99,11 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         if v is None:
             continue
         source[field] = where
-        if field == "fixed_timing":
+        if field == "kv_events_config":
+            from routerd.emulator.kv_events import parse_kv_events_config
+
+            v = parse_kv_events_config(str(v), where)
+        elif field == "fixed_timing":
             parts = str(v).split(",")
             try:
                 if len(parts) != 2:
@@ -102,8 +129,13 @@ async def _serve(settings) -> None:
     p = emu.profile
     mode = (f"fixed timing TTFT {settings.fixed_timing[0]} s, TPOT {settings.fixed_timing[1]} s"
             if settings.fixed_timing else f"profile {p.name}")
+    extra = ""
+    if settings.fixed_timing is None:
+        extra = f"; prefix caching {'on' if p.prefix_caching else 'off'}"
+    if emu.kv_events is not None:
+        extra += f"; KV events {emu.kv_events.endpoint} topic {settings.kv_events_config.topic!r}"
     print(f"phasewise emulate: serving {settings.model!r} on {emu.url} ({mode}; max_model_len "
-          f"{p.max_model_len}, KV {p.kv_capacity_tokens} tokens)", flush=True)
+          f"{p.max_model_len}, KV {p.kv_capacity_tokens} tokens{extra})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -24,6 +24,20 @@ The HTTP layer consumes a :class:`TokenStream` per request: either it sets
 ``stream.sink`` (called with the token count as tokens appear) or it awaits
 ``stream.wait(sent)``, which returns once more than ``sent`` tokens exist or the
 request has ended.
+
+Prefix caching (vLLM V1's automatic prefix caching, on unless the profile or
+``--no-enable-prefix-caching`` turns it off): :class:`SimEngine` gives each request the
+prefix identity of its prompt's token ids (:func:`routerd.prefix.text.token_prefix_blocks`,
+one key per full block of ``block_size`` tokens), and the simulator's prefix cache
+(:mod:`routerd.prefix.cache`) does the rest: the longest cached prefix of whole blocks is
+reused (the last prompt token is always computed), its prefill skipped, counted in
+``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries`` (tokens, at a request's first
+admission). Only prompt blocks have identity: the blocks holding generated tokens (and the
+block that straddles the prompt's end) are never cached, unlike vLLM, which caches full
+output blocks too. The emulator's output is filler words, one "token" each, with no token
+ids of the byte tokenizer a later prompt could share: a later turn that resends an answer
+renders it as text (``assistant: ...``), whose blocks are new prompt blocks anyway.
+:class:`FixedTimingEngine` has no cache.
 """
 
 from __future__ import annotations
@@ -33,11 +47,18 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
+import numpy as np
+
+from routerd.prefix.kv_wire import AllBlocksCleared
+from routerd.prefix.text import token_prefix_blocks
 from routerd.profiles import HardwareProfile
 from routerd.sim.instance import SimInstance
-from routerd.sim.request import DECODE, SimRequest
+from routerd.sim.request import DECODE, DONE, SimRequest
+
+if TYPE_CHECKING:
+    from routerd.emulator.kv_events import ZmqEventPublisher
 
 #: Slack (s) added to a timer's own deadline when it fires: the simulator locates
 #: iteration ends with floating-point sums, and a 1 ns margin guarantees the iteration
@@ -129,13 +150,27 @@ class EngineStats:
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {"length": 0, "abort": 0})
     """Ended requests by vLLM finish reason."""
+    prefix_queries: int = 0
+    """Prompt tokens looked up in the prefix cache (``vllm:prefix_cache_queries``, tokens)."""
+    prefix_hits: int = 0
+    """Of those, tokens found cached (``vllm:prefix_cache_hits``, tokens)."""
 
 
 class Engine(Protocol):
     """The interface the HTTP layer uses; see :class:`SimEngine` and :class:`FixedTimingEngine`."""
 
-    def submit(self, prompt_tokens: int, max_tokens: int) -> TokenStream:
-        """Start a request of ``prompt_tokens`` prompt tokens that generates ``max_tokens`` tokens."""
+    prefix_caching: bool
+    """True when :meth:`submit` uses the prompt's token ids (automatic prefix caching is on)."""
+
+    def submit(self, prompt_tokens: int, max_tokens: int, tokens: np.ndarray | None = None) -> TokenStream:
+        """Start a request of ``prompt_tokens`` prompt tokens that generates ``max_tokens`` tokens.
+
+        ``tokens``: the prompt's token ids (uint32, ``len == prompt_tokens``) when
+        :attr:`prefix_caching`, for its prefix identity; None: no identity (never a hit).
+        """
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (``POST /reset_prefix_cache``); False while requests hold blocks."""
 
     def abort(self, s: TokenStream) -> None:
         """The client went away: stop ``s`` and free what it holds (no-op once it ended)."""
@@ -148,7 +183,7 @@ class Engine(Protocol):
 
 
 class _EmuRequest(SimRequest):
-    __slots__ = ("stream",)
+    __slots__ = ("stream", "keys")
 
 
 class _EngineBase(ABC):
@@ -197,10 +232,11 @@ class _EngineBase(ABC):
         self._stats.finished["abort"] += 1
         s._wake()
 
-    def _snapshot(self, running: int, waiting: int, kv_usage: float, preemptions: int) -> EngineStats:
+    def _snapshot(self, running: int, waiting: int, kv_usage: float, preemptions: int, prefix_queries: int = 0,
+                  prefix_hits: int = 0) -> EngineStats:
         st = self._stats
         return EngineStats(running, waiting, kv_usage, preemptions, st.prompt_tokens, st.generation_tokens,
-                           dict(st.finished))
+                           dict(st.finished), prefix_queries, prefix_hits)
 
     def _set_timer(self, t: float | None) -> None:
         """Keep exactly one timer, at ``t`` (None: none)."""
@@ -228,12 +264,29 @@ class SimEngine(_EngineBase):
     Must be created and used inside a running event loop. Requests are validated by
     the caller (prompt + output <= ``profile.max_model_len``, which the profile
     guarantees fits the KV cache), so nothing is raised at run time.
+
+    Args:
+        profile: the hardware profile; its ``prefix_caching`` turns the prefix cache on.
+        observer: receives request timings (the metrics).
+        kv_events: publisher of vLLM's KV-cache events (:mod:`routerd.emulator.kv_events`), or
+            None; one batch per engine step that changed the cache.
     """
 
-    def __init__(self, profile: HardwareProfile, observer: EngineObserver | None = None) -> None:
+    def __init__(self, profile: HardwareProfile, observer: EngineObserver | None = None,
+                 kv_events: "ZmqEventPublisher | None" = None) -> None:
         super().__init__(observer)
         self.profile = profile
         self.inst = SimInstance(0, profile, self._on_event, self._on_first_token, self._on_finish)
+        self.prefix_caching = self.inst.pc is not None
+        self.bs = profile.block_size
+        self._publisher = kv_events
+        self._tracker = None
+        if kv_events is not None and self.inst.pc is not None:
+            from routerd.emulator.kv_events import BlockTracker
+
+            self._tracker = BlockTracker(self.bs)
+            self.inst.pc.listener = self._tracker
+        self._leaving: list[_EmuRequest] = []  # aborted, tracked, not yet out of the cache
         self._j = 0  # iterations of the step or segment in flight already delivered
         self._ended: list[_EmuRequest] = []
         # Latest simulated time applied. A timer may fire a little before its deadline
@@ -269,6 +322,8 @@ class SimEngine(_EngineBase):
             inst.step_end(t)
             self._j = 0
             self._deliver(t)
+            if self._tracker is not None:
+                self._publish()
 
     def _deliver(self, t: float) -> None:
         inst = self.inst
@@ -286,7 +341,26 @@ class SimEngine(_EngineBase):
                 if r.output > s.generated:
                     self._tokens(s, r.output, t)
                 self._end(s, t)
+                if r.keys is not None:
+                    self._tracker.untrack(r.keys)  # type: ignore[union-attr]
+                    r.keys = None
             self._ended.clear()
+
+    def _publish(self) -> None:
+        """Publish the cache's events since the last call as one batch (one engine step's)."""
+        tr = self._tracker
+        assert tr is not None and self._publisher is not None
+        if self._leaving:
+            keep = []
+            for r in self._leaving:
+                if r.state == DONE and r.keys is not None:
+                    tr.untrack(r.keys)
+                    r.keys = None
+                elif r.keys is not None:
+                    keep.append(r)
+            self._leaving = keep
+        if tr.events:
+            self._publisher.publish(tr.take())
 
     def _arm(self) -> None:
         inst = self.inst
@@ -307,16 +381,30 @@ class SimEngine(_EngineBase):
         t = self._loop.time()
         return t if t > self._now else self._now
 
-    def submit(self, prompt_tokens: int, max_tokens: int) -> TokenStream:
-        """Enqueue a request now; the simulator admits it at its next step (see :class:`SimInstance`)."""
+    def submit(self, prompt_tokens: int, max_tokens: int, tokens: np.ndarray | None = None) -> TokenStream:
+        """Enqueue a request now; the simulator admits it at its next step (see :class:`SimInstance`).
+
+        ``tokens`` (uint32 token ids of the prompt) give it prefix identity when caching is on.
+        """
         now = self._time()
         self._advance(now)
         s = TokenStream(next(self._ids), prompt_tokens, max_tokens, now)
         r = _EmuRequest(s.id, now, prompt_tokens, max_tokens, None, float(max_tokens))
         r.stream = s
+        r.keys = None
         s._sim = r
+        if tokens is not None and self.prefix_caching:
+            pb = token_prefix_blocks(tokens, self.bs)
+            r.prefix = pb
+            # The sequence's extents are the prompt's alone: output blocks stay hash-less.
+            r.seq_ext = pb.extents
+            if self._tracker is not None:
+                r.keys = [h for h, _ in pb.extents]
+                self._tracker.track(r.keys, tokens)
         self.inst.enqueue(r, now)
         self.inst.start(now)
+        if self._tracker is not None:
+            self._publish()
         self._arm()
         return s
 
@@ -329,8 +417,32 @@ class SimEngine(_EngineBase):
         if s.done:
             return
         self._abort_stream(s, now)
-        self.inst.abort(s._sim, now)  # type: ignore[arg-type]
+        r = s._sim
+        self.inst.abort(r, now)  # type: ignore[arg-type]
+        if self._tracker is not None:
+            if r.keys is not None:  # type: ignore[union-attr]
+                self._leaving.append(r)  # type: ignore[arg-type]
+            self._publish()
         self._arm()
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: drop every cached block, only when no request holds a block
+        (it refuses otherwise, returning False); publishes ``AllBlocksCleared`` when it succeeds."""
+        now = self._time()
+        self._advance(now)
+        inst = self.inst
+        ok = not inst.running and inst.free_blocks == inst.total_blocks
+        if ok and inst.pc is not None:
+            if self._tracker is not None:
+                self._publish()  # anything before the reset goes out first
+            ok = inst.pc.reset(inst.free_blocks)  # the tracker queues AllBlocksCleared
+        if ok and self._publisher is not None:
+            if self._tracker is not None:
+                self._publish()
+            else:
+                self._publisher.publish([AllBlocksCleared()])
+        self._arm()
+        return ok
 
     def stats(self) -> EngineStats:
         """Counters and gauges at the current time (applies due iterations first)."""
@@ -339,7 +451,7 @@ class SimEngine(_EngineBase):
         self._arm()
         inst = self.inst
         return self._snapshot(len(inst.running), len(inst.waiting), inst.used_blocks_at(now) / inst.total_blocks,
-                              inst.preemptions)
+                              inst.preemptions, inst.prefix_queries, inst.prefix_hits)
 
 
 class FixedTimingEngine(_EngineBase):
@@ -350,6 +462,8 @@ class FixedTimingEngine(_EngineBase):
     blocks the resident requests' tokens would occupy in ``profile``'s cache (capped
     at 1); nothing is ever preempted or queued.
     """
+
+    prefix_caching = False
 
     def __init__(self, ttft_s: float, tpot_s: float, profile: HardwareProfile,
                  observer: EngineObserver | None = None) -> None:
@@ -378,8 +492,8 @@ class FixedTimingEngine(_EngineBase):
                 heapq.heappush(heap, (s.arrival_s + ttft + n * tpot, s.id, s))
         self._set_timer(heap[0][0] if heap else None)
 
-    def submit(self, prompt_tokens: int, max_tokens: int) -> TokenStream:
-        """Start a request now (no admission control)."""
+    def submit(self, prompt_tokens: int, max_tokens: int, tokens: np.ndarray | None = None) -> TokenStream:
+        """Start a request now (no admission control; ``tokens`` unused: no prefix cache)."""
         now = self._loop.time()
         s = TokenStream(next(self._ids), prompt_tokens, max_tokens, now)
         self._active[s.id] = s
@@ -394,6 +508,10 @@ class FixedTimingEngine(_EngineBase):
             return
         self._active.pop(s.id, None)
         self._abort_stream(s, self._loop.time())
+
+    def reset_prefix_cache(self) -> bool:
+        """Nothing is cached: always succeeds."""
+        return True
 
     def stats(self) -> EngineStats:
         """Counters and gauges now."""

@@ -83,11 +83,12 @@ class _EngineCollector(Collector):
     """Gauges and counters read from the engine at scrape time."""
 
     def __init__(self, stats: Callable[[], EngineStats], labels: list[str], block_size: int,
-                 num_blocks: int) -> None:
+                 num_blocks: int, prefix_caching: bool) -> None:
         self._stats = stats
         self._labels = labels
+        # vLLM's label values are str() of CacheConfig's fields.
         self._cache_info = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
-                            "cache_dtype": "auto", "enable_prefix_caching": "False"}
+                            "cache_dtype": "auto", "enable_prefix_caching": str(prefix_caching)}
 
     def collect(self) -> Iterable[Metric]:
         st = self._stats()
@@ -112,6 +113,10 @@ class _EngineCollector(Collector):
         info.add_metric(list(self._cache_info.values()), 1.0)
         yield info
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", st.preemptions)
+        yield counter("vllm:prefix_cache_queries",
+                      "Prefix cache queries, in terms of number of queried tokens.", st.prefix_queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      st.prefix_hits)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", st.generation_tokens)
         ok = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
@@ -121,16 +126,37 @@ class _EngineCollector(Collector):
         yield ok
 
 
+class _KVEventsCollector(Collector):
+    """The emulator's own counters of its KV-event publisher (vLLM exports none)."""
+
+    def __init__(self, publisher, labels: list[str]) -> None:
+        self._pub = publisher
+        self._labels = labels
+
+    def collect(self) -> Iterable[Metric]:
+        p = self._pub
+        for name, doc, value in (
+                ("phasewise_emulator_kv_event_batches", "KV-event batches published (one per engine step "
+                 "that changed the prefix cache).", p.batches),
+                ("phasewise_emulator_kv_events", "KV events published (BlockStored, BlockRemoved, "
+                 "AllBlocksCleared).", p.events),
+                ("phasewise_emulator_kv_event_errors", "KV-event batches lost to a publishing error.", p.errors)):
+            c = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+            c.add_metric(self._labels, value)
+            yield c
+
+
 class EmulatorMetrics:
     """vLLM-named metrics of one emulated engine; also the engine's :class:`EngineObserver`.
 
     Args:
         model_name: served model name (label ``model_name``).
         max_model_len: bounds the token-count histogram buckets (vLLM does the same).
-        block_size, num_blocks: reported in ``vllm:cache_config_info``.
+        block_size, num_blocks, prefix_caching: reported in ``vllm:cache_config_info``.
     """
 
-    def __init__(self, model_name: str, max_model_len: int, block_size: int, num_blocks: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int, block_size: int, num_blocks: int,
+                 prefix_caching: bool = False) -> None:
         self.registry = CollectorRegistry()
         # vLLM serves the default registry, which carries these too (process_cpu_seconds_total etc.).
         ProcessCollector(registry=self.registry)
@@ -138,6 +164,7 @@ class EmulatorMetrics:
         self._labels = [model_name, "0"]
         self._block_size = block_size
         self._num_blocks = num_blocks
+        self._prefix_caching = prefix_caching
         names = ["model_name", "engine"]
         r = self.registry
 
@@ -158,7 +185,12 @@ class EmulatorMetrics:
 
     def attach(self, stats: Callable[[], EngineStats]) -> None:
         """Read gauges and counters from ``stats`` (the engine's) at scrape time."""
-        self.registry.register(_EngineCollector(stats, self._labels, self._block_size, self._num_blocks))
+        self.registry.register(_EngineCollector(stats, self._labels, self._block_size, self._num_blocks,
+                                                self._prefix_caching))
+
+    def attach_kv_events(self, publisher) -> None:
+        """Export ``publisher``'s counters (:class:`routerd.emulator.kv_events.ZmqEventPublisher`)."""
+        self.registry.register(_KVEventsCollector(publisher, self._labels))
 
     # -- EngineObserver
     def first_token(self, s: TokenStream, t: float) -> None:

@@ -1,7 +1,10 @@
 """The emulator's HTTP API: vLLM's OpenAI-compatible server, reproduced with aiohttp.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true or
-false), ``GET /v1/models``, ``GET /health``, ``GET /version``, ``GET /metrics``.
+false), ``GET /v1/models``, ``GET /health``, ``GET /version``, ``GET /metrics``,
+``POST /reset_prefix_cache`` (vLLM's, a development endpoint there: always served here;
+200 with an empty body whether or not the reset happened, as vLLM, which refuses while
+requests hold blocks and logs it).
 
 Response shapes follow vLLM's ``vllm/entrypoints/openai/protocol.py``: completion
 ids ``cmpl-<hex>`` and ``chatcmpl-<hex>``; streamed chunks are server-sent events
@@ -12,8 +15,12 @@ has empty ``choices`` and the ``usage``. Errors are vLLM's ``ErrorResponse``:
 ``{"error": {"message", "type", "param", "code"}}`` with status 400 (bad request,
 prompt too long), 404 (unknown model or route), 405 or 413; never 500 for bad input.
 
-Prompt tokens are counted with :mod:`routerd.tokens` (the estimate routerd uses);
-generated text is filler, one short word per token.
+Prompt tokens are counted with :mod:`routerd.tokens` (the estimate routerd uses), and a
+prompt's token ids are the byte tokenizer's (:func:`routerd.prefix.text.byte_token_array`,
+4 UTF-8 bytes per token, ``len`` = that count) of its text: a completions prompt's string, a
+chat request's :func:`routerd.tokens.chat_prompt_text`; a completions prompt given as token
+ids uses them as they are. Equal prompts thus have equal tokens, and prefix caching hits.
+Generated text is filler, one short word per token.
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from aiohttp import HttpVersion11, web
 
 from routerd.emulator.engine import Engine, TokenStream
 from routerd.emulator.metrics import CONTENT_TYPE, EmulatorMetrics
+from routerd.prefix.text import byte_token_array
 from routerd.tokens import chat_prompt_text, count_text_tokens
 
 log = logging.getLogger(__name__)
@@ -87,6 +96,20 @@ class _Parsed:
     max_tokens: int
     stream: bool
     include_usage: bool
+
+
+_MAX_TOKEN_ID = (1 << 32) - 1
+
+
+def _token_ids(x: list) -> bool:
+    """True if ``x`` is a non-empty list of token ids (ints, not bools)."""
+    return bool(x) and all(isinstance(y, int) and not isinstance(y, bool) for y in x)
+
+
+def _check_ids(ids: list[int]) -> list[int]:
+    if min(ids) < 0 or max(ids) > _MAX_TOKEN_ID:
+        raise ApiError(400, f"prompt token ids must lie in 0 .. {_MAX_TOKEN_ID}", "prompt")
+    return ids
 
 
 class _Frames:
@@ -212,21 +235,22 @@ class OpenAIHandlers:
         return _Parsed(prompt_tokens, max_tokens, stream, include_usage)
 
     @staticmethod
-    def _completion_prompt_tokens(body: dict[str, Any]) -> int:
+    def _completion_prompt(body: dict[str, Any]) -> str | list[int]:
+        """The prompt as text or token ids (ids checked to lie in 0 .. 2^32 - 1)."""
         if "prompt" not in body or body["prompt"] is None:
             raise ApiError(400, "prompt is required", "prompt")
         p = body["prompt"]
         if isinstance(p, str):
-            return count_text_tokens(p)
+            return p
         if isinstance(p, list) and p:
-            if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-                return len(p)  # token ids
+            if _token_ids(p):
+                return _check_ids(p)
             if len(p) == 1:
                 x = p[0]
                 if isinstance(x, str):
-                    return count_text_tokens(x)
-                if isinstance(x, list) and x and all(isinstance(y, int) and not isinstance(y, bool) for y in x):
-                    return len(x)
+                    return x
+                if isinstance(x, list) and _token_ids(x):
+                    return _check_ids(x)
             if all(isinstance(x, (str, list)) for x in p):
                 raise ApiError(400, f"prompt holds {len(p)} prompts; the emulator serves one prompt per request",
                                "prompt")
@@ -234,40 +258,53 @@ class OpenAIHandlers:
                        "prompt")
 
     @staticmethod
-    def _chat_prompt_tokens(body: dict[str, Any]) -> int:
+    def _chat_prompt(body: dict[str, Any]) -> str:
+        """The rendered messages (the emulator's chat template, :func:`routerd.tokens.chat_prompt_text`)."""
         msgs = body.get("messages")
         if msgs is None:
             raise ApiError(400, "messages is required", "messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "messages must be a non-empty list of messages", "messages")
         try:
-            return count_text_tokens(chat_prompt_text(msgs))
+            return chat_prompt_text(msgs)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
+
+    def _tokens(self, prompt: str | list[int]) -> tuple[int, np.ndarray | None]:
+        """``(prompt tokens, token ids or None)``; the ids only when the engine caches prefixes."""
+        if isinstance(prompt, str):
+            if self.engine.prefix_caching:
+                ids = byte_token_array(prompt)
+                return len(ids), ids
+            return count_text_tokens(prompt), None
+        return len(prompt), np.array(prompt, dtype=np.uint32) if self.engine.prefix_caching else None
 
     # -- handlers -----------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/completions``."""
         try:
             body = await self._body(request)
-            p = self._common(body, self._completion_prompt_tokens(body), chat=False)
+            n, ids = self._tokens(self._completion_prompt(body))
+            p = self._common(body, n, chat=False)
         except ApiError as e:
             return e.response()
-        return await self._generate(request, p, chat=False)
+        return await self._generate(request, p, chat=False, tokens=ids)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``."""
         try:
             body = await self._body(request)
-            p = self._common(body, self._chat_prompt_tokens(body), chat=True)
+            n, ids = self._tokens(self._chat_prompt(body))
+            p = self._common(body, n, chat=True)
         except ApiError as e:
             return e.response()
-        return await self._generate(request, p, chat=True)
+        return await self._generate(request, p, chat=True, tokens=ids)
 
-    async def _generate(self, request: web.Request, p: _Parsed, chat: bool) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, p: _Parsed, chat: bool,
+                        tokens: np.ndarray | None = None) -> web.StreamResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        s = self.engine.submit(p.prompt_tokens, p.max_tokens)
+        s = self.engine.submit(p.prompt_tokens, p.max_tokens, tokens)
         try:
             if p.stream:
                 return await self._stream(request, s, p, chat, rid, created)
@@ -368,6 +405,33 @@ class OpenAIHandlers:
         """``GET /metrics``: Prometheus text exposition, vLLM V1 names."""
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """``POST /reset_prefix_cache[?reset_running_requests=false&reset_external=false]``.
+
+        vLLM (``vllm/entrypoints/serve/cache/api_router.py``) answers 200 with an empty body
+        without checking that the reset happened; the engine refuses while any block is in use
+        and logs a warning. ``reset_external`` is accepted (no connector cache here);
+        ``reset_running_requests=true`` (preempt everything first) is not emulated: 400.
+        """
+        q = request.query
+        flags = {}
+        for name in ("reset_running_requests", "reset_external"):
+            raw = q.get(name, "false").strip().lower()
+            if raw not in _BOOLS:
+                raise ApiError(400, f"{name} must be a boolean, got {q.get(name)!r}", name)
+            flags[name] = _BOOLS[raw]
+        if flags["reset_running_requests"]:
+            raise ApiError(400, "reset_running_requests=true is not supported by the emulator",
+                           "reset_running_requests")
+        log.info("Resetting prefix cache...")
+        if not self.engine.reset_prefix_cache():
+            log.warning("Failed to reset prefix cache because some blocks are not freed yet")
+        return web.Response(status=200)
+
+
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "t": True, "y": True,
+          "false": False, "0": False, "no": False, "off": False, "f": False, "n": False}
+
 
 @web.middleware
 async def _json_errors(request: web.Request, handler):
@@ -400,6 +464,7 @@ def build_app(engine: Engine, metrics: EmulatorMetrics, settings: ApiSettings) -
     app.router.add_get("/health", h.health)
     app.router.add_get("/version", h.version)
     app.router.add_get("/metrics", h.metrics_page)
+    app.router.add_post("/reset_prefix_cache", h.reset_prefix_cache)
 
     async def _close(_app: web.Application) -> None:
         engine.close()

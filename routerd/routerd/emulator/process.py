@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 _URL = re.compile(r" on (http://\S+) \(")
+_KV = re.compile(r"; KV events (\S+) topic")
 
 
 class EmulatorStartError(RuntimeError):
@@ -47,6 +48,8 @@ class EmulatorProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         """Base URL, e.g. ``http://127.0.0.1:41234`` (the OpenAI base URL is ``url + "/v1"``)."""
+        self.kv_events_endpoint = ""
+        """Where its KV-event PUB socket is bound, e.g. ``tcp://127.0.0.1:41235`` ("" without events)."""
         self._stderr = tempfile.TemporaryFile()
 
     @property
@@ -88,6 +91,8 @@ class EmulatorProcess:
             self.stop()
             raise EmulatorStartError(f"unexpected first line from the emulator: {buf!r} {text}")
         self.url = m.group(1)
+        kv = _KV.search(buf.decode(errors="replace"))
+        self.kv_events_endpoint = kv.group(1) if kv else ""
         return self
 
     def stderr_text(self) -> str:

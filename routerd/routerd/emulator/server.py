@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from routerd.cli import DEFAULT_PROFILE
 from routerd.emulator.engine import Engine, FixedTimingEngine, SimEngine
+from routerd.emulator.kv_events import KVEventsConfig, ZmqEventPublisher
 from routerd.emulator.metrics import EmulatorMetrics
 from routerd.emulator.openai_api import ApiSettings, build_app
 from routerd.errors import ConfigError
 from routerd.profiles import HardwareProfile, ProfileError, get_profile
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "llama-2-7b"
 DEFAULT_MAX_TOKENS = 256
@@ -40,6 +45,14 @@ class EmulatorSettings(BaseModel):
     """``(ttft_s, tpot_s)``: fixed latencies instead of the simulator (load benchmarks)."""
     default_max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1)
     """Output length (tokens) of requests without ``max_tokens``."""
+    enable_prefix_caching: bool | None = None
+    """vLLM's ``--enable-prefix-caching`` / ``--no-enable-prefix-caching``; None: the profile's
+    ``prefix_caching`` (on in every shipped profile, as in vLLM V1). No effect with ``fixed_timing``."""
+    kv_events_config: KVEventsConfig | None = None
+    """vLLM's ``--kv-events-config`` (publish KV-cache events over ZMQ); None: no events."""
+    kv_events_layout: Literal["array", "map", "map-batch"] = "map"
+    """Wire layout of the events (:mod:`routerd.prefix.kv_wire`): ``array`` as vLLM up to v0.23,
+    ``map`` as vLLM from v0.24 (tagged-map events), ``map-batch`` as vLLM main (the batch a map too)."""
 
     @field_validator("fixed_timing")
     @classmethod
@@ -67,6 +80,8 @@ class RunningEmulator:
     profile: HardwareProfile
     host: str
     port: int
+    kv_events: ZmqEventPublisher | None = None
+    """The KV-event publisher (``kv_events.endpoint``: where it is bound), or None."""
 
     @property
     def url(self) -> str:
@@ -79,23 +94,42 @@ class RunningEmulator:
     async def close(self) -> None:
         """Stop accepting, let in-flight requests finish (up to the shutdown timeout), stop the engine."""
         await self.runner.cleanup()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
 
 async def start_emulator(settings: EmulatorSettings) -> RunningEmulator:
     """Build the engine and start serving; call inside the event loop that will run it.
 
     Raises:
-        ConfigError: unknown profile or a port that cannot be bound (message names the flag).
+        ConfigError: unknown profile, a port or KV-event endpoint that cannot be bound, or KV
+            events with ``fixed_timing`` (message names the flag).
     """
     profile = load_profile(settings.profile)
-    metrics = EmulatorMetrics(settings.model, profile.max_model_len, profile.block_size, profile.num_blocks)
+    if settings.enable_prefix_caching is not None:
+        profile = profile.model_copy(update={"prefix_caching": settings.enable_prefix_caching})
+    caching = profile.prefix_caching and settings.fixed_timing is None
+    kv = settings.kv_events_config
+    publisher = None
+    if kv is not None and kv.active:
+        if settings.fixed_timing is not None:
+            raise ConfigError("--kv-events-config: KV events need the simulator's prefix cache, not --fixed-timing")
+        if not caching:
+            # vLLM's warning for the same configuration (vllm/config/vllm.py).
+            log.warning("KV cache events are on, but prefix caching is not enabled. "
+                        "Use --enable-prefix-caching to enable.")
+        publisher = ZmqEventPublisher(kv, settings.kv_events_layout)
+    metrics = EmulatorMetrics(settings.model, profile.max_model_len, profile.block_size, profile.num_blocks,
+                              caching)
     engine: Engine
     if settings.fixed_timing is not None:
         ttft, tpot = settings.fixed_timing
         engine = FixedTimingEngine(ttft, tpot, profile, metrics)
     else:
-        engine = SimEngine(profile, metrics)
+        engine = SimEngine(profile, metrics, publisher)
     metrics.attach(engine.stats)
+    if publisher is not None:
+        metrics.attach_kv_events(publisher)
     app = build_app(engine, metrics, ApiSettings(settings.model, profile.max_model_len,
                                                  settings.default_max_tokens, settings.seed))
     # handler_cancellation: a client that disconnects cancels its handler, which aborts
@@ -107,7 +141,9 @@ async def start_emulator(settings: EmulatorSettings) -> RunningEmulator:
         await site.start()
     except OSError as e:
         await runner.cleanup()
+        if publisher is not None:
+            publisher.close()
         raise ConfigError(f"--host/--port: cannot listen on {settings.host}:{settings.port} "
                           f"({e.strerror or e})") from None
     port = runner.addresses[0][1]
-    return RunningEmulator(runner, engine, metrics, profile, settings.host, port)
+    return RunningEmulator(runner, engine, metrics, profile, settings.host, port, publisher)
