@@ -407,3 +407,85 @@ def test_a_subscriber_that_never_reads_does_not_block_the_publisher():
     finally:
         sub.close(0)
         pub.close()
+
+
+def test_tracker_hashes_a_block_whose_parent_it_has_not_stored_yet():
+    toks = byte_token_array(_text(48))
+    keys = _keys(_text(48))
+    ordered = BlockTracker(BS, seed=b"s")
+    ordered.track(keys, toks)
+    for k in keys:
+        ordered.stored(k, 0, 1)
+    want = ordered.take()[0].block_hashes
+    out_of_order = BlockTracker(BS, seed=b"s")
+    out_of_order.track(keys, toks)
+    out_of_order.stored(keys[1], 0, 1)  # parent computed from the request's own blocks
+    ev = out_of_order.take()[0]
+    assert (ev.parent_block_hash, ev.block_hashes) == (want[0], [want[1]]) and out_of_order.anomalies == 0
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.batches: list[list] = []
+
+    def publish(self, events) -> None:
+        self.batches.append(list(events))
+
+
+def test_engine_events_replay_to_the_simulators_cache_and_memory_stays_bounded():
+    """In process: many requests over shared prefixes through a 12-block cache; a consumer that
+    keys blocks by token ids (as routerd) ends with exactly the simulator's cached blocks, and the
+    tracker holds nothing for finished requests."""
+    import asyncio
+    import random
+
+    from routerd.emulator.engine import SimEngine
+
+    prof = toy_profile(**{**SMALL, "kv_capacity_tokens": 192, "overhead_s": 0.001, "prefill_per_token_s": 1e-5})
+    rng = random.Random(7)
+    heads = [_text(32, "h"), _text(48, "i"), _text(16, "j")]
+
+    async def run():
+        rec = _Recorder()
+        eng = SimEngine(prof, None, rec)  # type: ignore[arg-type]
+        streams = []
+        for i in range(80):
+            text = rng.choice(heads) + _text(rng.randint(1, 60), f"t{i % 9}")
+            ids = byte_token_array(text)
+            streams.append(eng.submit(len(ids), rng.randint(1, 4), ids))
+            if i % 5 == 4:
+                await asyncio.gather(*(s.wait_done() for s in streams))
+                streams = []
+                if i % 20 == 19:
+                    assert eng.reset_prefix_cache()
+        await asyncio.gather(*(s.wait_done() for s in streams))
+        eng.stats()
+        eng.close()
+        return eng, rec
+
+    eng, rec = asyncio.run(run())
+    engine_to_key: dict = {}
+    cached: set[int] = set()
+    kinds = set()
+    for batch in rec.batches:
+        assert batch
+        for ev in batch:
+            kinds.add(type(ev))
+            if isinstance(ev, BlockStored):
+                parent = None if ev.parent_block_hash is None else engine_to_key[ev.parent_block_hash]
+                for h, k in zip(ev.block_hashes, stored_block_keys(parent, ev.token_ids, BS)):
+                    engine_to_key[h] = k
+                    cached.add(k)
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    cached.remove(engine_to_key.pop(h))
+            else:
+                cached.clear()
+                engine_to_key.clear()
+    pc = eng.inst.pc
+    assert kinds == {BlockStored, BlockRemoved, AllBlocksCleared}
+    assert cached == set(pc.cached) and all(n == 1 for n in pc.cached.values())
+    assert eng._tracker.sizes == (0, len(pc.cached)) and len(pc.cached) <= prof.num_blocks
+    assert eng._tracker.anomalies == 0
+    st = eng.stats()
+    assert 0 < st.prefix_hits < st.prefix_queries

@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import struct
 import time
 from typing import Literal
 
@@ -65,6 +66,8 @@ from routerd.prefix.kv_wire import (
 log = logging.getLogger(__name__)
 
 _U64 = (1 << 64) - 1
+#: struct unpackers of blocks of common sizes (faster than numpy for 16 ints)
+_UNPACK = {n: struct.Struct(f"<{n}I").unpack for n in (8, 16, 32, 64)}
 
 
 class KVEventsConfig(BaseModel):
@@ -136,7 +139,8 @@ class BlockTracker:
             env = os.environ.get("PYTHONHASHSEED")
             seed = env.encode() if env else os.urandom(32)
         self._none_hash = hashlib.sha256(b"phasewise-emulator" + seed).digest()
-        # key -> [parent key or None, the block's token ids (uint32 view), live requests]
+        # key -> [parent key or None, a request's token ids (little-endian uint32), block index,
+        # live requests]
         self._pending: dict[int, list] = {}
         # key -> (sha256 digest, the int hash sent), for blocks the cache holds
         self._cached: dict[int, tuple[bytes, int]] = {}
@@ -149,27 +153,29 @@ class BlockTracker:
     def track(self, keys: list[int], tokens: np.ndarray) -> None:
         """A request with prompt block keys ``keys`` (block ``j`` = ``tokens[j*bs:(j+1)*bs]``) arrived."""
         pending = self._pending
-        bs = self.bs
+        get = pending.get
+        tokens = np.ascontiguousarray(tokens, dtype="<u4")
         parent = None
         for j, k in enumerate(keys):
-            e = pending.get(k)
+            e = get(k)
             if e is None:
-                pending[k] = [parent, tokens[j * bs:(j + 1) * bs], 1]
+                pending[k] = [parent, tokens, j, 1]
             else:
-                e[2] += 1
+                e[3] += 1
             parent = k
 
     def untrack(self, keys: list[int]) -> None:
         """The request of :meth:`track` left the cache (finished, aborted, released)."""
         pending = self._pending
+        get = pending.get
         for k in keys:
-            e = pending.get(k)
+            e = get(k)
             if e is None:
                 continue
-            if e[2] <= 1:
+            if e[3] <= 1:
                 del pending[k]
             else:
-                e[2] -= 1
+                e[3] -= 1
 
     @property
     def sizes(self) -> tuple[int, int]:
@@ -194,8 +200,12 @@ class BlockTracker:
         else:
             d = self._none_hash
         for e in reversed(chain):
-            d = hashlib.sha256(d + e[1].astype("<u4", copy=False).tobytes()).digest()
+            d = hashlib.sha256(d + self._block_bytes(e)).digest()
         return d
+
+    def _block_bytes(self, e: list) -> bytes:
+        j, bs = e[2], self.bs
+        return e[1][j * bs:(j + 1) * bs].tobytes()
 
     # -- CacheListener
     def stored(self, h: int, lo: int, hi: int) -> None:
@@ -205,15 +215,23 @@ class BlockTracker:
             self.anomalies += 1
             return
         parent_key = e[0]
-        pd = self._none_hash if parent_key is None else self._digest(parent_key)
-        if pd is None:
-            self.anomalies += 1
-            return
-        d = hashlib.sha256(pd + e[1].astype("<u4", copy=False).tobytes()).digest()
+        if parent_key is None:
+            pd, parent_ext = self._none_hash, None
+        else:
+            c = self._cached.get(parent_key)  # the parent is cached: it was reused or stored before
+            if c is not None:
+                pd, parent_ext = c
+            else:
+                pd = self._digest(parent_key)
+                if pd is None:
+                    self.anomalies += 1
+                    return
+                parent_ext = int.from_bytes(pd[-8:], "big")
+        raw = self._block_bytes(e)
+        d = hashlib.sha256(pd + raw).digest()
         ext = int.from_bytes(d[-8:], "big")
         self._cached[h] = (d, ext)
-        parent_ext = None if parent_key is None else int.from_bytes(pd[-8:], "big")
-        toks = e[1].tolist()
+        toks = list(_UNPACK[self.bs](raw)) if self.bs in _UNPACK else np.frombuffer(raw, "<u4").tolist()
         evs = self.events
         if evs:
             last = evs[-1]
