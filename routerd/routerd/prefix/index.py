@@ -52,7 +52,10 @@ class _InstanceIndex:
 
     def evict_to_capacity(self) -> int:
         """Trim LRU entries until ``size <= capacity``; returns blocks evicted."""
-        cap = self.capacity
+        return self.evict_to(self.capacity)
+
+    def evict_to(self, cap: int | None) -> int:
+        """Trim LRU entries until ``size <= cap`` (blocks; None: nothing); returns blocks evicted."""
         if cap is None or self.size <= cap:
             return 0
         evicted = 0
@@ -97,6 +100,11 @@ class PrefixIndex:
         ttl_s: forget entries this long (s) after their last insert; None: never (Dynamo's
             approximate mode: 120 s).
 
+    A deployment may also bound every instance's entries whatever the policy asks
+    (:meth:`limit_capacity`: routerd's ``prefix.index_capacity_blocks``, a memory bound that holds
+    at every insert, periodic sweeps or not), drop an instance's entries (:meth:`forget`) and
+    renumber instances when its endpoint table changes (:meth:`renumber`).
+
     Raises:
         ValueError: a non-positive capacity, cap, interval or TTL.
     """
@@ -124,14 +132,65 @@ class PrefixIndex:
         self._next_sweep = eviction_interval_s if eviction_interval_s is not None else math.inf
         self._now = -math.inf
         self._inst: dict[int, _InstanceIndex] = {}
+        self.hard_limit: int | None = None
+        """Bound on every instance's blocks over any capacity set (:meth:`limit_capacity`); None: none."""
+        self.last_insert: tuple[int, int, int] | None = None
+        """``(instance, matched blocks, inserted blocks)`` of the latest :meth:`insert` that had
+        blocks to insert: how many of the request's leading blocks the index believed cached
+        there just before (what routerd's ``phasewise_prefix_match_blocks`` observes). An
+        observer may reset it to None before a decision to tell whether the decision inserted."""
 
     # --- state ----------------------------------------------------------------------------
 
     def _get(self, instance: int) -> _InstanceIndex:
         idx = self._inst.get(instance)
         if idx is None:
-            idx = self._inst[instance] = _InstanceIndex(self.default_capacity)
+            idx = self._inst[instance] = _InstanceIndex(self._bounded(self.default_capacity))
         return idx
+
+    def _bounded(self, blocks: int | None) -> int | None:
+        lim = self.hard_limit
+        if lim is None:
+            return blocks
+        return lim if blocks is None or blocks > lim else blocks
+
+    def limit_capacity(self, blocks: int | None) -> None:
+        """Bound every instance's entries to ``blocks`` (> 0; None: lift the bound), now and for
+        instances to come, whatever capacity the policy sets (:meth:`set_capacity` and the default
+        are clamped to it). Unlike a capacity it holds at every insert even with periodic sweeps
+        (``eviction_interval_s``), so the index's memory is bounded between sweeps too. A bound
+        lifted or raised later does not restore a capacity clamped before.
+
+        Raises:
+            ValueError: ``blocks`` <= 0.
+        """
+        if blocks is not None and blocks <= 0:
+            raise ValueError(f"PrefixIndex: capacity limit must be > 0 or None, got {blocks!r}")
+        self.hard_limit = blocks
+        for idx in self._inst.values():
+            idx.capacity = self._bounded(idx.capacity)
+            idx.evict_to(blocks)
+
+    def forget(self, instance: int) -> int:
+        """Drop every entry of ``instance`` and its capacity (it starts empty, as a new instance);
+        returns the blocks dropped (0 for an unknown instance)."""
+        idx = self._inst.pop(instance, None)
+        return 0 if idx is None else idx.size
+
+    def renumber(self, mapping: dict[int, int]) -> None:
+        """Renumber instances after an endpoint table changed: instance ``old`` becomes
+        ``mapping[old]``; instances not in ``mapping`` are forgotten.
+
+        Raises:
+            ValueError: two old instances mapped to one new instance.
+        """
+        if len(set(mapping.values())) != len(mapping):
+            raise ValueError(f"PrefixIndex.renumber: two instances mapped to one: {mapping}")
+        self._inst = {mapping[i]: idx for i, idx in self._inst.items() if i in mapping}
+
+    def instances(self) -> list[int]:
+        """Instances that have entries or a capacity."""
+        return list(self._inst)
 
     def has_instance(self, instance: int) -> bool:
         """Whether ``instance`` has been given a capacity or an insert yet."""
@@ -146,9 +205,11 @@ class PrefixIndex:
         if blocks is not None and blocks <= 0:
             raise ValueError(f"PrefixIndex: capacity of instance {instance} must be > 0, got {blocks}")
         idx = self._get(instance)
-        idx.capacity = blocks
+        idx.capacity = self._bounded(blocks)
         if self.eviction_interval_s is None:
             idx.evict_to_capacity()
+        else:
+            idx.evict_to(self.hard_limit)
 
     def size(self, instance: int) -> int:
         """Blocks ``instance``'s entries hold (may exceed capacity between periodic sweeps)."""
@@ -221,19 +282,30 @@ class PrefixIndex:
             items.append((h, m))
             remaining -= m
         blocks, touched = idx.blocks, idx.touched
+        # Walking tail first, ``matched`` restarts at each extent not wholly cached; after the
+        # head it is the leading run of blocks that was cached (matched_blocks' answer).
+        matched = inserted = 0
         for h, m in reversed(items):
+            inserted += m
             old = blocks.get(h)
             if old is None:
                 blocks[h] = m
                 idx.size += m
+                matched = 0
             else:
                 if m > old:
                     blocks[h] = m
                     idx.size += m - old
+                    matched = old
+                else:
+                    matched += m
                 blocks.move_to_end(h)
             touched[h] = now
+        self.last_insert = (instance, matched, inserted)
         if self.eviction_interval_s is None:
             idx.evict_to_capacity()
+        elif self.hard_limit is not None:
+            idx.evict_to(self.hard_limit)
 
 
 # --- optional instance-view methods, with their fallbacks -------------------------------------
