@@ -12,6 +12,7 @@ handling of ``phasewise serve``: SIGTERM/SIGINT drain and exit, SIGHUP reloads.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -30,7 +31,9 @@ from routerd.daemon.frontend import Frontend, effective_max_connections
 from routerd.daemon.metrics import Metrics
 from routerd.daemon.models import ModelLister
 from routerd.daemon.predict_batch import PredictionBatcher
+from routerd.daemon.prefix import PromptInput, build_prefix_identity, kv_events_address
 from routerd.daemon.proxy import Proxy
+from routerd.daemon.state import url_target
 from routerd.daemon.router import CheckpointConfigError, Router, build_routing_policy
 
 log = logging.getLogger("routerd")
@@ -93,8 +96,11 @@ class _Built:
     reload the error is raised instead, so the running configuration is kept.
     """
 
-    def __init__(self, settings: Settings, num_endpoints: int, *, startup: bool = False) -> None:
+    def __init__(self, settings: Settings, num_endpoints: int, *, startup: bool = False,
+                 say_prefix: bool = True) -> None:
         self.profile = load_profile(settings.profile)
+        self.prefix = build_prefix_identity(settings.prefix, self.profile.block_size, settings.profile,
+                                            say=say_prefix)
         self.predictor = load_length_predictor(settings.predictor)
         self.edges = tuple(self.predictor.edges) if self.predictor is not None else PREDICTOR_BUCKET_EDGES
         self.policy_name = settings.policy.name
@@ -155,6 +161,8 @@ class Daemon:
                              bucket_edges=built.edges)
         self.router.failure_cooldown_s = settings.upstream.failure_cooldown_s
         self.router.outlier = settings.upstream.outlier
+        self.prefix = built.prefix
+        self.router.configure_prefix(settings.prefix.index_capacity_blocks, self.prefix.source or "approximate")
         self.router.set_default_models(settings.models)
         self.router.on_ready_change = self._on_ready_change
         self.started_at_unix = time.time()
@@ -223,6 +231,7 @@ class Daemon:
             log.warning("no endpoints configured: every request will get 503 until a reload adds some")
         log.info("tie-break seed %d (router.tie_break_seed %s)", self.router.tie_seed,
                  "set" if s.router.tie_break_seed is not None else "unset: drawn for this process")
+        self._log_prefix()
         log.info("routerd listening on http://%s:%d%s; policy %s; predictor %s; %d endpoints", s.http.host,
                  self.http_port,
                  f", gRPC {s.grpc.host}:{self.grpc_port}" if self._grpc is not None else "",
@@ -301,10 +310,42 @@ class Daemon:
         await self.proxy.close()
         self.router.close()
 
+    # -- prefix ------------------------------------------------------------------
+    def prefix_blocks(self, prompt: PromptInput) -> Any:
+        """The request's :class:`~routerd.prefix.chain.PrefixBlocks` for the live policy, or None:
+        ``prefix.mode`` off, no prompt, or a policy that keeps no prefix index (nothing is hashed
+        for ``round_robin`` and the other load-only policies). Observed in
+        ``phasewise_prefix_prompt_blocks``."""
+        ident = self.prefix
+        if prompt is None or not ident.enabled or not self.router.reads_prefix:
+            return None
+        p = ident.blocks_for(prompt)
+        if p is not None:
+            self.metrics.prefix_prompt_blocks.observe(p.num_blocks)
+        return p
+
+    def _log_prefix(self) -> None:
+        ident, cfg = self.prefix, self.settings.prefix
+        if not ident.enabled:
+            log.info("prefix: mode off (the cache-aware policies route on load only)")
+            return
+        what = (f"token blocks ({ident.tokenizer.name} tokenizer)" if ident.tokenizer is not None else
+                f"text chunks of {ident.chunk_blocks * ident.block_size * 4} bytes")
+        reads = "" if self.router.reads_prefix else (f"; policy {self.router.policy_name} keeps no prefix index, "
+                                                     "so no prompt is hashed")
+        log.info("prefix: mode %s, %s, block size %d, at most %d blocks per prompt, index bound %d blocks per "
+                 "endpoint%s", cfg.mode, what, ident.block_size, ident.max_blocks, cfg.index_capacity_blocks, reads)
+
     # -- endpoints ---------------------------------------------------------------
     @staticmethod
     def _static_endpoints(settings: Settings) -> list[DiscoveredEndpoint]:
-        return [DiscoveredEndpoint(e.name, e.url, e.state_address, True, tuple(e.models)) for e in settings.endpoints]
+        return [DiscoveredEndpoint(e.name, e.url, e.state_address, True, tuple(e.models), e.kv_events)
+                for e in settings.endpoints]
+
+    def _with_kv_events(self, e: DiscoveredEndpoint) -> DiscoveredEndpoint:
+        """``e`` with its KV-event publisher's address resolved (:func:`kv_events_address`)."""
+        addr = kv_events_address(url_target(e.url)[1], e.kv_events, self.settings.prefix.kv_events.port)
+        return e if addr == e.kv_events else dataclasses.replace(e, kv_events=addr)
 
     def apply_endpoints(self, endpoints: Sequence[DiscoveredEndpoint]) -> None:
         """Replace the discovered endpoint set (static endpoints stay); event-loop thread only.
@@ -331,7 +372,8 @@ class Daemon:
 
     def _apply_all_endpoints(self) -> None:
         names = {e.name for e in self._static}
-        merged = list(self._static) + [e for e in self._discovered if e.name not in names]
+        merged = [self._with_kv_events(e) for e in
+                  list(self._static) + [e for e in self._discovered if e.name not in names]]
         known = {ep.name: (ep.url, ep.configured_models) for ep in self.router.endpoints}
         # Lists are read (and new or moved endpoints wait for theirs) unless ``models`` names one.
         self.router.set_endpoints(merged, lists_read=len(self.settings.models) != 1)
@@ -400,6 +442,7 @@ class Daemon:
                 namespace = "default"
         watcher = EndpointSliceWatcher(namespace, k.service or "", self.endpoints_callback,
                                        http_port_name=k.http_port_name, state_port_name=k.state_port_name,
+                                       kv_events_port_name=k.kv_events_port_name,
                                        on_skip=lambda _why: self.metrics.endpointslice_skipped.inc())
         try:
             watcher.start()
@@ -551,7 +594,8 @@ class Daemon:
                     self._config_sig = None  # read again at the next poll
                     log.info("reload: %s changed while it was read; reading it again", self.config_path)
                     return False
-            built = await asyncio.to_thread(_Built, settings, len(settings.endpoints) or len(self.router.endpoints))
+            built = await asyncio.to_thread(_Built, settings, len(settings.endpoints) or len(self.router.endpoints),
+                                            say_prefix=settings.prefix != self.settings.prefix)
         except ConfigError as e:
             self.metrics.reloads.labels("error").inc()
             log.error("reload refused, keeping the running configuration: %s", e)
@@ -575,6 +619,8 @@ class Daemon:
         self.model_lister.refresh_s = settings.model_refresh_s
         self.router.set_default_models(settings.models)
         self.proxy.reconfigure()
+        self.prefix = built.prefix
+        self.router.configure_prefix(settings.prefix.index_capacity_blocks, self.prefix.source or "approximate")
         self.router.set_policy(built.policy, settings.policy.name)
         self._static = self._static_endpoints(settings)
         self._apply_all_endpoints()
@@ -584,6 +630,8 @@ class Daemon:
             self.model_lister.poke_all()
         self.metrics.reloads.labels("ok").inc()
         log.info("reloaded: policy %s, %d endpoints", settings.policy.name, len(self.router.endpoints))
+        if old.prefix != settings.prefix or old.policy.name != settings.policy.name:
+            self._log_prefix()
         return True
 
     async def _watch_config(self) -> None:

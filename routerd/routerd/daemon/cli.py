@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--predictor", metavar="SPEC",
                    help="length predictor: default (the shipped n-gram model, the default), none, a baseline "
                         "name or a folder saved by 'phasewise predictor train' (predictor)")
+    p.add_argument("--prefix-mode", choices=["off", "approximate", "precise"],
+                   help="prefix-cache-aware routing: off, approximate (prompt text hashed, each policy's own "
+                        "dispatch history; the default) or precise (the engines' KV events) (prefix.mode)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level (log_level)")
 
 
@@ -86,6 +89,8 @@ def overrides_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[
         put(("profile",), args.profile, "--profile")
     if args.predictor is not None:
         put(("predictor",), args.predictor, "--predictor")
+    if args.prefix_mode is not None:
+        put(("prefix", "mode"), args.prefix_mode, "--prefix-mode")
     if args.log_level is not None:
         put(("log_level",), args.log_level, "--log-level")
     return o, flags

@@ -20,6 +20,7 @@ An example file::
       - {name: vllm-1, url: "http://10.0.0.8:8000", state_address: "10.0.0.8:50061"}
     policy: {name: late_binding, params: {reserve_fraction: 0.1}}
     profile: llama2-7b-v100
+    prefix: {mode: approximate, chunk_blocks: 4, index_capacity_blocks: 262144}
 """
 
 from __future__ import annotations
@@ -158,6 +159,12 @@ class EndpointConfig(_Model):
     reports together name two or more) and that list is unknown or unreadable (401/403), the
     endpoint serves nothing (fail closed)."""
 
+    kv_events: str | None = None
+    """ZMQ address of the instance's vLLM KV-event publisher (``--kv-events-config``), e.g.
+    ``tcp://10.0.0.7:5557``; read in ``prefix.mode: precise``. None: the URL's host and
+    ``prefix.kv_events.port`` (vLLM publishes on ``tcp://*:5557`` by default); ``""``: this
+    instance publishes none (precise matching falls back to the approximate index for it)."""
+
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
@@ -167,6 +174,34 @@ class EndpointConfig(_Model):
     @classmethod
     def _state(cls, v: str | None) -> str | None:
         return None if v is None or v == "" else _check_host_port(v, "state_address")
+
+    @field_validator("kv_events")
+    @classmethod
+    def _kv_events(cls, v: str | None) -> str | None:
+        return v if v is None or v == "" else check_zmq_address(v)
+
+
+def check_zmq_address(value: str) -> str:
+    """A ZMQ address to connect to: ``tcp://host:port`` (IPv6 in brackets) or ``ipc://path``.
+
+    Raises:
+        ValueError: another transport, no host or path, a wildcard host (``*``: vLLM binds it,
+            a subscriber must name the instance), white space, or a port outside 1-65535.
+    """
+    v = value.strip()
+    if v != value or any(c.isspace() for c in v):
+        raise ValueError(f"must not contain white space, got {value!r}")
+    scheme, sep, rest = v.partition("://")
+    if scheme == "ipc" and sep and rest:
+        return v
+    if scheme != "tcp" or not sep:
+        raise ValueError(f"must be tcp://host:port or ipc://path, got {value!r}")
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"must be tcp://host:port with a port in 1-65535, got {value!r}")
+    if host == "*" or "/" in host or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+        raise ValueError(f"needs the instance's host (IPv6 in brackets), not {host!r}: {value!r}")
+    return v
 
 
 class KubernetesConfig(_Model):
@@ -181,6 +216,9 @@ class KubernetesConfig(_Model):
     """Name of the Service port that serves the OpenAI API."""
     state_port_name: str = "state"
     """Name of the Service port of the state sidecar (gRPC); absent = no sidecar."""
+    kv_events_port_name: str = "kv-events"
+    """Name of the Service port of vLLM's KV-event publisher (ZMQ); absent = the pod's address
+    with ``prefix.kv_events.port``. Read in ``prefix.mode: precise``."""
 
     @model_validator(mode="after")
     def _service(self) -> "KubernetesConfig":
@@ -223,6 +261,75 @@ def servable_policies() -> list[str]:
     from routerd.policies.registry import POLICIES
 
     return [name for name, cls in POLICIES.items() if not cls.oracle]
+
+
+class KvEventsConfig(_Model):
+    """The instances' vLLM KV-cache events (``prefix.mode: precise``): vLLM's ZMQ publisher
+    (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq"}'``), msgpack
+    ``EventBatch``es of ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
+    (``vllm/distributed/kv_events.py``; ``shared/docs/prefix-routing.md`` §1)."""
+
+    port: int = Field(default=5557, ge=1, le=65535)
+    """Port of an instance's publisher when its endpoint names none (vLLM's default endpoint is
+    ``tcp://*:5557``)."""
+    topic: str = ""
+    """ZMQ topic subscribed to (vLLM's default ``""``: every message)."""
+    stale_after_s: float = Field(default=10.0, gt=0, le=3600)
+    """A publisher that has sent nothing for this long (s) while requests were dispatched to its
+    instance is taken as stopped: that instance's precise index is stale and its matches fall back
+    to the approximate index (counted in ``phasewise_prefix_fallbacks_total``)."""
+    max_blocks: int = Field(default=262_144, ge=1)
+    """Most blocks the precise index keeps per instance (blocks); a publisher that floods is cut
+    here. 262,144 blocks of 16 tokens = 4M tokens, above one GPU's KV cache (an 80 GB H100 holds
+    about 30K blocks of an 8B model)."""
+
+
+class PrefixConfig(_Model):
+    """Prefix-cache-aware routing: the request's prompt as hash-chained KV blocks
+    (``routerd.prefix.text``), which the cache-aware policies (``llmd``, ``sglang_cache_aware``,
+    ``dynamo_kv``, ``lmetric``, ``phasewise``) match against what they believe each endpoint caches.
+    Hashed once per request at parse, and only while the policy keeps a prefix index (no cost for
+    ``round_robin`` and the other load-only policies)."""
+
+    mode: Literal["off", "approximate", "precise"] = "approximate"
+    """``off``: no prefix, the cache-aware policies route on load only. ``approximate``: the
+    prompt text is hashed in chunks and each policy remembers what it sent where (llm-d's
+    approx-prefix-cache-producer, SGLang's tree): no engine feedback. ``precise``: tokens, matched
+    against the engines' KV events (``kv_events``); until routerd consumes them it matches as
+    ``approximate`` (said once in the log)."""
+    block_size: int | None = Field(default=None, ge=1, le=4096)
+    """KV block size (tokens): vLLM's ``--block-size``. None: the hardware profile's (16 in every
+    bundled profile, vLLM's default); a value must equal it, since the policies count cached
+    tokens in the profile's blocks."""
+    chunk_blocks: int = Field(default=4, ge=1, le=256)
+    """Blocks per hashed chunk of text (approximate identity): a chunk is ``chunk_blocks *
+    block_size * 4`` bytes (routerd's 4 bytes per token) and a shared prefix is found to its last
+    whole chunk. 4 (256 bytes) keeps a decision on an 8K-token prompt over 8 endpoints under
+    100 us (``benchmarks/prefix_decision_cost.py``); 1 is llm-d's granularity, at 4x the entries
+    and about 4x the matching cost."""
+    max_prompt_tokens: int = Field(default=131_072, ge=1)
+    """Only the prompt's first this many tokens (``block_size``-aligned, at 4 bytes per token) are
+    hashed, matched and indexed, so a 1 MB prompt costs what this many tokens cost (llm-d's
+    maxPrefixTokensToMatch, 131,072)."""
+    index_capacity_blocks: int = Field(default=262_144, ge=1)
+    """Bound on each policy's approximate index per endpoint (blocks), over any capacity the
+    policy sets itself (llm-d's LRU of kv_total_blocks, phasewise's 31,250, SGLang's tree between
+    sweeps, Dynamo's TTL-only index); least recently used entries go first. Memory: about 200
+    bytes per entry of ``chunk_blocks`` blocks (measured), so 262,144 blocks at ``chunk_blocks``
+    4 is about 13 MB per endpoint (per model with several models)."""
+    tokenizer: str = ""
+    """Precise mode's tokenizer: ``""`` (none: text chunks as in approximate mode), ``bytes``
+    (the emulator's deterministic tokenizer, 4 UTF-8 bytes per token) or the path of a Hugging
+    Face ``tokenizer.json`` (``pip install 'phasewise[tokenizer]'``)."""
+    kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
+    """Where precise mode reads each instance's KV events from."""
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, v: str) -> str:
+        if v != v.strip():
+            raise ValueError(f"must not start or end with white space, got {v!r}")
+        return v
 
 
 class RouterConfig(_Model):
@@ -339,6 +446,9 @@ class Settings(_Model):
     """Static instances (in addition to Kubernetes discovery, if enabled)."""
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig)
+    """Prefix-cache-aware routing: how a request's prompt becomes KV blocks, and the bounds on
+    what the policies remember."""
     profile: str = "llama2-7b-v100"
     """Hardware profile (name or YAML path): KV blocks, max_num_seqs and decode speed the
     policies reason with."""

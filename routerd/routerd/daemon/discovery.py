@@ -28,6 +28,9 @@ class DiscoveredEndpoint:
     models: tuple[str, ...] = ()
     """Models it serves as its source says (configured); empty: learned from its own
     ``/v1/models`` (which for vLLM lists the base model and its loaded LoRA adapters)."""
+    kv_events: str | None = None
+    """ZMQ address of its vLLM KV-event publisher (``tcp://host:port``). None: not given by the
+    source (the daemon uses the URL's host and ``prefix.kv_events.port``); ``""``: it publishes none."""
 
 
 #: Called with the complete current endpoint set each time it changes. Sources running

@@ -70,6 +70,7 @@ def endpoints_from_slices(
     *,
     http_port_name: str = "http",
     state_port_name: str | None = "state",
+    kv_events_port_name: str | None = "kv-events",
     skipped: list[str] | None = None,
 ) -> list[DiscoveredEndpoint]:
     """Merge EndpointSlices (API JSON, camelCase) into routerd's endpoint set, sorted by name.
@@ -83,6 +84,9 @@ def endpoints_from_slices(
       ``url`` is ``http://ip:port`` (IPv6 in brackets).
     - ``state_address`` is ``ip:port`` of the slice's ``state_port_name`` port, or None when
       the slice has no such port (or ``state_port_name`` is None).
+    - ``kv_events`` is ``tcp://ip:port`` of the slice's ``kv_events_port_name`` port (vLLM's
+      KV-event publisher), or None when it has none (the daemon then dials the pod's address
+      at ``prefix.kv_events.port``).
     - ``ready`` is False when ``conditions.ready`` is False or ``conditions.terminating`` is
       True; a missing condition counts as ready / not terminating, as the API specifies.
     - ``name`` is ``targetRef.name`` (the pod), or the address when there is no targetRef.
@@ -103,6 +107,9 @@ def endpoints_from_slices(
         state_port = _port(ports, state_port_name)
         if state_port == http_port and (state_port_name or "") != http_port_name:
             state_port = None  # the single-unnamed-port fallback must not pose as the sidecar
+        kv_port = _port(ports, kv_events_port_name)
+        if kv_port == http_port and (kv_events_port_name or "") != http_port_name:
+            kv_port = None  # nor as the KV-event publisher
         for ep in s.get("endpoints") or []:
             addresses = ep.get("addresses") or []
             if not addresses:
@@ -123,6 +130,7 @@ def endpoints_from_slices(
                 url=f"http://{_host(addr)}:{http_port}",
                 state_address=None if state_port is None else f"{_host(addr)}:{state_port}",
                 ready=ready,
+                kv_events=None if kv_port is None else f"tcp://{_host(addr)}:{kv_port}",
             )
     return [out[k] for k in sorted(out)]
 
@@ -154,6 +162,7 @@ class EndpointSliceWatcher:
         *,
         http_port_name: str = "http",
         state_port_name: str | None = "state",
+        kv_events_port_name: str | None = "kv-events",
         api_client=None,
         watch_timeout_s: int = 300,
         backoff_initial_s: float = 0.5,
@@ -165,6 +174,7 @@ class EndpointSliceWatcher:
         self.on_update = on_update
         self.http_port_name = http_port_name
         self.state_port_name = state_port_name
+        self.kv_events_port_name = kv_events_port_name
         self.watch_timeout_s = watch_timeout_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
@@ -365,7 +375,8 @@ class EndpointSliceWatcher:
             return
         skipped: list[str] = []
         eps = tuple(endpoints_from_slices(self._slices.values(), http_port_name=self.http_port_name,
-                                          state_port_name=self.state_port_name, skipped=skipped))
+                                          state_port_name=self.state_port_name,
+                                          kv_events_port_name=self.kv_events_port_name, skipped=skipped))
         for why in skipped:
             if why not in self._skipped:  # say it once per entry, not at every slice event
                 log.warning("%s/%s: skipped: %s", self.namespace, self.service, why)

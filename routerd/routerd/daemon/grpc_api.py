@@ -9,6 +9,11 @@ until ``grpc.report_timeout_s`` passes without one (counted in
 load (vllm-project/router#179). ``Route`` is idempotent per in-flight ``request_id``; one
 naming another model than the booked request's is refused (ALREADY_EXISTS).
 
+Prefix-aware routing (``prefix.mode``) needs the prompt: a ``RouteRequest`` with ``prompt`` set is
+hashed as a completions prompt string is (:mod:`routerd.daemon.prefix`); one that carries only
+``prompt_tokens`` has no prefix identity (``RequestFeatures.prefix`` None), so the cache-aware
+policies score it on load alone. (The message has no token-id field.)
+
 Health: the overall status ("") and ``phasewise.v1.RouterService`` are SERVING while
 ``/readyz`` is ready, NOT_SERVING while draining or with no ready endpoint.
 """
@@ -101,7 +106,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                     f"predicted_bucket {bucket} is outside 0..{n_buckets - 1}")
         else:
             bucket = await d.predict(request.prompt or None, tokens, request.task or None, request.max_tokens)
-        r = router.new_request(tokens, bucket, request.task or None, label=rid, model=model)
+        # The prefix comes from the prompt text when the gateway sends it; a request given by its
+        # token count only has none (the cache-aware policies then score it on load alone).
+        prefix = d.prefix_blocks(request.prompt) if request.prompt else None
+        r = router.new_request(tokens, bucket, request.task or None, label=rid, model=model, prefix=prefix)
         first = self.held.get(rid)
         if first is not None:
             r.arrived_at = first

@@ -23,15 +23,20 @@ _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
 #: Label values of ``phasewise_fallbacks_total{reason}``.
 FALLBACK_REASONS = ("policy_error", "policy_fallback", "stale_state", "hold_idle", "invalid_choice")
 
+#: Prefix lengths in KV blocks (16 tokens each by default): 0 (no match) up to 16,384 blocks;
+#: ``prefix.max_prompt_tokens``' default, 131,072 tokens, is 8,192 blocks of 16.
+_PREFIX_BLOCK_BUCKETS = (0, 1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 
 class EndpointMetrics:
     """The label children of one endpoint (resolved once)."""
 
     __slots__ = ("decisions", "in_flight", "err_connect", "err_status", "err_stream", "err_timeout", "ready",
-                 "state_stale", "ejections", "ejected")
+                 "state_stale", "ejections", "ejected", "prefix_index_blocks")
 
     def __init__(self, m: "Metrics", name: str, in_flight: Callable[[], float],
-                 ejected: Callable[[], float] | None = None) -> None:
+                 ejected: Callable[[], float] | None = None,
+                 prefix_index_blocks: Callable[[], float] | None = None) -> None:
         self.decisions = m.decisions.labels(name)
         self.in_flight = m.in_flight.labels(name)
         self.in_flight.set_function(in_flight)
@@ -45,6 +50,9 @@ class EndpointMetrics:
         self.ejected = m.endpoint_ejected.labels(name)
         if ejected is not None:
             self.ejected.set_function(ejected)
+        self.prefix_index_blocks = m.prefix_index_blocks.labels(name)
+        if prefix_index_blocks is not None:
+            self.prefix_index_blocks.set_function(prefix_index_blocks)
 
 
 class Metrics:
@@ -129,22 +137,58 @@ class Metrics:
             "phasewise_endpointslice_entries_skipped",
             "EndpointSlice entries skipped because their address is not an IP address (each counted once).",
             registry=r)
+        self.prefix_match_blocks = Histogram(
+            "phasewise_prefix_match_blocks",
+            "Leading KV blocks of the request's prompt believed cached on the chosen endpoint, per policy "
+            "decision on a prompt of at least one block, by where the belief comes from (source: approximate = "
+            "the policy's own dispatch history, precise = the engine's KV events).", ["source"],
+            buckets=_PREFIX_BLOCK_BUCKETS, registry=r)
+        self.prefix_prompt_blocks = Histogram(
+            "phasewise_prefix_prompt_blocks",
+            "KV blocks hashed per request prompt (at most prefix.max_prompt_tokens / block_size).",
+            buckets=_PREFIX_BLOCK_BUCKETS, registry=r)
+        self.prefix_index_blocks = Gauge(
+            "phasewise_prefix_index_blocks",
+            "KV blocks the policies' approximate prefix indexes hold for the endpoint (summed over the "
+            "per-model policies; each bounded by prefix.index_capacity_blocks).", ["endpoint"], registry=r)
+        self.prefix_fallbacks = Counter(
+            "phasewise_prefix_fallbacks",
+            "Prefix matches of precise mode answered by the approximate index instead, by endpoint and reason "
+            "(the endpoint's KV events stale, cleared, malformed, or no tokenizer).", ["endpoint", "reason"],
+            registry=r)
+        self._prefix_fallback_children: dict[tuple[str, str], Counter] = {}
         self.fallback_children = {reason: self.fallbacks.labels(reason) for reason in FALLBACK_REASONS}
         self._bucket_children: dict[tuple[str, str], Counter] = {}
         self._code_children: dict[int, Counter] = {}
         self._reject_children: dict[str, Counter] = {}
 
     def endpoint(self, name: str, in_flight: Callable[[], float],
-                 ejected: Callable[[], float] | None = None) -> EndpointMetrics:
-        """Create the series of endpoint ``name``; ``in_flight()`` and ``ejected()`` are read at each scrape."""
-        return EndpointMetrics(self, name, in_flight, ejected)
+                 ejected: Callable[[], float] | None = None,
+                 prefix_index_blocks: Callable[[], float] | None = None) -> EndpointMetrics:
+        """Create the series of endpoint ``name``; ``in_flight()``, ``ejected()`` and
+        ``prefix_index_blocks()`` are read at each scrape."""
+        return EndpointMetrics(self, name, in_flight, ejected, prefix_index_blocks)
+
+    def count_prefix_fallback(self, endpoint: str, reason: str) -> None:
+        """Count one prefix match on ``endpoint`` answered by the approximate index for ``reason``."""
+        key = (endpoint, reason)
+        c = self._prefix_fallback_children.get(key)
+        if c is None:
+            c = self._prefix_fallback_children[key] = self.prefix_fallbacks.labels(endpoint, reason)
+        c.inc()
 
     def remove_endpoint(self, name: str) -> None:
         """Delete every series labelled with endpoint ``name``."""
         for metric in (self.decisions, self.in_flight, self.endpoint_ready, self.endpoint_state_stale,
-                       self.ejections, self.endpoint_ejected):
+                       self.ejections, self.endpoint_ejected, self.prefix_index_blocks):
             try:
                 metric.remove(name)
+            except KeyError:
+                pass
+        for key in [k for k in self._prefix_fallback_children if k[0] == name]:
+            del self._prefix_fallback_children[key]
+            try:
+                self.prefix_fallbacks.remove(*key)
             except KeyError:
                 pass
         for kind in ("connect", "status", "stream", "timeout"):

@@ -94,6 +94,23 @@ def prompt_tokens_of(kind: str, payload: dict) -> tuple[int, str | None]:
     Raises:
         BadRequest: ``prompt`` / ``messages`` missing or of the wrong type.
     """
+    tokens, text, _ = prompt_of(kind, payload)
+    return tokens, text
+
+
+def prompt_of(kind: str, payload: dict) -> tuple[int, str | None, str | list[int] | None]:
+    """(estimated prompt tokens, prompt text for the predictor or None, what the prompt's prefix
+    is hashed from) of a request body.
+
+    The prefix input (:meth:`routerd.daemon.prefix.PrefixIdentity.blocks_for`) is the rendered
+    messages of a chat request (:func:`routerd.tokens.chat_prompt_text`), a completions prompt
+    string, or its token ids; of a batch (a list of several prompts) the first prompt, which the
+    policies score and index for the whole batch (batched prompts share a template more often
+    than not; the others are cached where the batch goes too).
+
+    Raises:
+        BadRequest: ``prompt`` / ``messages`` missing or of the wrong type.
+    """
     if kind == "chat":
         messages = payload.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -102,17 +119,17 @@ def prompt_tokens_of(kind: str, payload: dict) -> tuple[int, str | None]:
             text = chat_prompt_text(messages)
         except ValueError as e:
             raise BadRequest(str(e), "messages") from None
-        return count_text_tokens(text), text
+        return count_text_tokens(text), text, text
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
-        return count_text_tokens(prompt), prompt
+        return count_text_tokens(prompt), prompt, prompt
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return sum(count_text_tokens(p) for p in prompt), "\n".join(prompt)
+            return sum(count_text_tokens(p) for p in prompt), "\n".join(prompt), prompt[0]
         if all(type(p) is int for p in prompt):
-            return len(prompt), None
+            return len(prompt), None, prompt
         if all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt):
-            return sum(len(p) for p in prompt), None
+            return sum(len(p) for p in prompt), None, prompt[0]
     raise BadRequest("'prompt' must be a string, an array of strings, or an array of token ids", "prompt")
 
 
@@ -462,7 +479,7 @@ class Proxy:
             return self._refuse(400, f"could not read the request body: {e}", "invalid_request_error",
                                 "bad_request", code="invalid_body")
         try:
-            payload, stream, prompt_tokens, prompt_text = self._validate(kind, body)
+            payload, stream, prompt_tokens, prompt_text, prefix_input = self._validate(kind, body)
         except BadRequest as e:
             reason = "not_found" if e.status == 404 else "bad_request"
             return self._refuse(e.status, str(e), e.type_, reason, code=e.code, param=e.param)
@@ -473,7 +490,8 @@ class Proxy:
         mt = payload.get("max_tokens", payload.get("max_completion_tokens"))
         bucket = await d.predict(prompt_text, prompt_tokens, task, mt if type(mt) is int else None)
         router = d.router
-        r = router.new_request(prompt_tokens, bucket, task, model=payload["model"])
+        r = router.new_request(prompt_tokens, bucket, task, model=payload["model"],
+                               prefix=d.prefix_blocks(prefix_input))
         r.blind = not stream
         try:
             ep = await router.dispatch(r)
@@ -504,7 +522,7 @@ class Proxy:
                                 "lists are still being read", "service_unavailable", "no_endpoint", retry_after=True)
         return None
 
-    def _validate(self, kind: str, body: bytes) -> tuple[dict, bool, int, str | None]:
+    def _validate(self, kind: str, body: bytes) -> tuple[dict, bool, int, str | None, str | list[int] | None]:
         if not body:
             raise BadRequest("request body is empty; expected a JSON object")
         try:
@@ -523,8 +541,8 @@ class Proxy:
             stream = False
         if not isinstance(stream, bool):
             raise BadRequest("'stream' must be a boolean", "stream")
-        tokens, text = prompt_tokens_of(kind, payload)
-        return payload, stream, tokens, text
+        tokens, text, prefix_input = prompt_of(kind, payload)
+        return payload, stream, tokens, text, prefix_input
 
     @staticmethod
     def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:

@@ -24,6 +24,7 @@ import operator
 import os
 import random
 import time
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -32,10 +33,12 @@ from routerd.model import PREDICTOR_BUCKET_EDGES, bucket_mid_tokens
 from routerd.policies.base import ClusterView, PolicyContext, RequestFeatures, RoutingPolicy
 from routerd.daemon.discovery import DiscoveredEndpoint
 from routerd.daemon.state import EndpointState, Inflight, url_target
+from routerd.prefix.index import PrefixIndex
 
 if TYPE_CHECKING:
     from routerd.daemon.config import OutlierConfig, PolicyConfig, RouterConfig
     from routerd.daemon.metrics import Metrics
+    from routerd.prefix.chain import PrefixBlocks
     from routerd.profiles import HardwareProfile
 
 log = logging.getLogger("routerd.router")
@@ -246,6 +249,15 @@ def _as_index(choice: Any) -> int:
         return -2
 
 
+def prefix_indexes(policy: Any) -> tuple[PrefixIndex, ...]:
+    """The approximate prefix indexes a policy keeps (its :class:`PrefixIndex` attributes:
+    ``llmd``, ``sglang_cache_aware``, ``dynamo_kv`` and ``lmetric`` as ``index``, ``phasewise`` as
+    ``_index``). A policy without one never reads ``RequestFeatures.prefix``, so routerd hashes
+    no prompt for it (``tests/test_daemon_prefix.py`` checks both over the registry)."""
+    attrs = getattr(policy, "__dict__", None) or {}
+    return tuple(v for v in attrs.values() if isinstance(v, PrefixIndex))
+
+
 class Router:
     """Router queue, endpoint table and policy; all methods run on one event loop.
 
@@ -317,10 +329,18 @@ class Router:
         self._rng: random.Random | None = None
         self.on_ready_change: Callable[[], None] | None = None
         """Called when the number of ready endpoints may have changed (health status)."""
+        self.prefix_capacity_blocks: int | None = None
+        """``prefix.index_capacity_blocks``: bound on every policy's approximate prefix index per
+        endpoint (blocks); None: the policies' own capacities (:meth:`configure_prefix`)."""
+        self.prefix_source = "approximate"
+        """Label of ``phasewise_prefix_match_blocks`` (``PrefixIdentity.source``)."""
+        self._indexes: weakref.WeakKeyDictionary[Any, tuple[PrefixIndex, ...]] = weakref.WeakKeyDictionary()
+        """Per live policy (the one, and each model's): its prefix indexes, found once."""
         # Gauges read at scrape time from the bookkeeping itself: nothing to update per
         # request, and they cannot drift from it.
         metrics.queue_depth.set_function(self.queue.__len__)
         self.configure(config, state_max_age_s)
+        self._adopt(policy)
 
     # -- configuration -----------------------------------------------------------
     def configure(self, config: "RouterConfig", state_max_age_s: float) -> None:
@@ -343,8 +363,55 @@ class Router:
         self._tie_seed_configured = config.tie_break_seed is not None
         self._rng = random.Random(seed)
 
+    # -- prefix indexes ----------------------------------------------------------
+    def _adopt(self, policy: RoutingPolicy) -> RoutingPolicy:
+        """Find ``policy``'s prefix indexes and bound them by :attr:`prefix_capacity_blocks`."""
+        found = self._indexes.get(policy)
+        if found is None:
+            try:
+                found = self._indexes[policy] = prefix_indexes(policy)
+            except TypeError:  # not weakly referenceable: looked up at each use instead
+                found = prefix_indexes(policy)
+        for ix in found:
+            ix.limit_capacity(self.prefix_capacity_blocks)
+        return policy
+
+    def _indexes_of(self, policy: RoutingPolicy) -> tuple[PrefixIndex, ...]:
+        found = self._indexes.get(policy)
+        return found if found is not None else prefix_indexes(policy)
+
+    def _live_indexes(self) -> list[PrefixIndex]:
+        """Every prefix index of the live policies (the one and each model's)."""
+        out = list(self._indexes_of(self.policy))
+        for p in self._model_policies.values():
+            out.extend(self._indexes_of(p))
+        return out
+
+    @property
+    def reads_prefix(self) -> bool:
+        """Whether the live policy keeps a prefix index (reads ``RequestFeatures.prefix``)."""
+        return bool(self._indexes_of(self.policy))
+
+    def configure_prefix(self, capacity_blocks: int | None, source: str = "approximate") -> None:
+        """Apply ``prefix.index_capacity_blocks`` to every live policy's prefix index (evicting
+        what exceeds it now) and to policies built later; ``source`` labels the match metric."""
+        self.prefix_capacity_blocks = capacity_blocks
+        self.prefix_source = source
+        for ix in self._live_indexes():
+            ix.limit_capacity(capacity_blocks)
+
+    def prefix_index_blocks(self, ep: EndpointState) -> int:
+        """Blocks the live policies' prefix indexes hold for ``ep`` (``phasewise_prefix_index_blocks``)."""
+        i = ep.index
+        return sum(ix.size(i) for ix in self._live_indexes())
+
+    def _forget_prefixes(self, index: int) -> None:
+        for ix in self._live_indexes():
+            ix.forget(index)
+
     def set_policy(self, policy: RoutingPolicy, name: str) -> None:
         """Swap the policy; queued and in-flight requests are kept (their bookkeeping is not the policy's)."""
+        self._adopt(policy)
         self.policy = policy
         self.policy_name = name
         self._policy_fallbacks = getattr(policy, "fallbacks", None)
@@ -375,7 +442,10 @@ class Router:
             if ep is None:
                 ep = EndpointState(len(self.endpoints), d.name, d.url, d.state_address, d.ready, self.profile)
                 ep.m = self.metrics.endpoint(d.name, ep.requests.__len__,
-                                             lambda ep=ep: 1.0 if ep.ejected_until > self.clock() else 0.0)
+                                             lambda ep=ep: 1.0 if ep.ejected_until > self.clock() else 0.0,
+                                             lambda ep=ep: float(self.prefix_index_blocks(ep)))
+                # Its index number may be a departed endpoint's: nothing learned there applies here.
+                self._forget_prefixes(ep.index)
                 ep.idle_since = self.clock()
                 self.endpoints.append(ep)
                 self.by_name[d.name] = ep
@@ -384,10 +454,12 @@ class Router:
                     ep.snapshot = None
                 if ep.url != d.url:
                     ep.url, ep.target = d.url, url_target(d.url)
-                    # Another server now: what the old one listed says nothing about it.
+                    # Another server now: what the old one listed or cached says nothing about it.
                     ep.discovered_models = None
+                    self._forget_prefixes(ep.index)
                     fresh = True
                 ep.state_address, ep.ready, ep.removed = d.state_address, d.ready, False
+            ep.kv_events = d.kv_events
             configured = frozenset(d.models)
             if configured != ep.configured_models:
                 ep.configured_models = configured
@@ -419,8 +491,14 @@ class Router:
             del self.by_name[ep.name]
             self.metrics.remove_endpoint(ep.name)
         self.endpoints = [ep for ep in self.endpoints if not (ep.removed and not ep.requests)]
+        moved = {}
         for i, ep in enumerate(self.endpoints):
+            moved[ep.index] = i
             ep.index = i
+        # The policies' prefix indexes follow the renumbering; the departed endpoints' entries go,
+        # so an endpoint that later takes one of their numbers starts empty.
+        for ix in self._live_indexes():
+            ix.renumber(moved)
         self._rebuild_models()
 
     def update_state(self, name: str, state: Any) -> None:
@@ -622,15 +700,17 @@ class Router:
 
     # -- requests ----------------------------------------------------------------
     def new_request(self, prompt_tokens: int, predicted_bucket: int | None, task: str | None = None,
-                    label: Any = None, model: str | None = None) -> Inflight:
-        """A request as the router sees it before dispatch (prompt in tokens); it goes only to
-        endpoints serving ``model`` (None: any)."""
+                    label: Any = None, model: str | None = None,
+                    prefix: "PrefixBlocks | None" = None) -> Inflight:
+        """A request as the router sees it before dispatch (prompt in tokens, its leading KV blocks
+        as ``prefix`` or None: :mod:`routerd.daemon.prefix`); it goes only to endpoints serving
+        ``model`` (None: any)."""
         rid = self._next_id
         self._next_id = rid + 1
         now = self.clock()
         pred = self._mids[predicted_bucket if predicted_bucket is not None else 0]
         r = Inflight(rid, rid if label is None else label, prompt_tokens, predicted_bucket, pred, now)
-        r.features = RequestFeatures(rid, now, prompt_tokens, predicted_bucket, pred, task)
+        r.features = RequestFeatures(rid, now, prompt_tokens, predicted_bucket, pred, task, prefix)
         r.model = model
         return r
 
@@ -816,8 +896,8 @@ class Router:
         edges = tuple(getattr(base.ctx, "bucket_edges", self.bucket_edges))
         near_tie = getattr(base.ctx, "near_tie", 0.0)
         try:
-            return build_routing_policy(_PolicySpec(base.name, base.params.model_dump()), self.profile, n, edges,
-                                        seed=seed, near_tie=near_tie)  # type: ignore[arg-type]
+            return self._adopt(build_routing_policy(_PolicySpec(base.name, base.params.model_dump()), self.profile,
+                                                    n, edges, seed=seed, near_tie=near_tie))  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - a model without its policy still routes
             log.error("policy %s for model %r cannot be built (%s); routing it round robin", self.policy_name,
                       model, e)
@@ -902,10 +982,14 @@ class Router:
                 if not ep.refresh(now, max_age):
                     all_stale = False
             reason = None
+            prefix_ix: tuple[PrefixIndex, ...] = ()
             if all_stale:
                 ep = self._round_robin(cands, key)
                 reason = "stale_state"
             else:
+                prefix_ix = self._indexes_of(policy) if r.features.prefix is not None else ()
+                for ix in prefix_ix:
+                    ix.last_insert = None
                 t0 = time.perf_counter()
                 seen = cands
                 if len(cands) > 1 and not getattr(policy, "order_sensitive", True):
@@ -956,6 +1040,8 @@ class Router:
             q.pop_head(key)
             self._idle_hold_since.pop(key, None)
             r.policy = policy
+            if reason is None and r.features.prefix is not None:
+                self._observe_prefix(prefix_ix, ep.index)
             self._assign(r, ep, now, reason)
             if only is not _NO_KEY:
                 return
@@ -963,6 +1049,15 @@ class Router:
             return
         if q and self._tick is None:
             self._tick = asyncio.get_running_loop().call_later(self.action_interval_s, self._on_tick)
+
+    def _observe_prefix(self, indexes: tuple[PrefixIndex, ...], chosen: int) -> None:
+        """``phasewise_prefix_match_blocks``: the blocks the policy's index believed cached on the
+        chosen endpoint, as its insert at this decision found them (``PrefixIndex.last_insert``)."""
+        for ix in indexes:
+            li = ix.last_insert
+            if li is not None and li[0] == chosen:
+                self.metrics.prefix_match_blocks.labels(self.prefix_source).observe(li[1])
+                return
 
     def _hold_allowed(self, cands: list[EndpointState], now: float, key: Any = None) -> bool:
         for ep in cands:

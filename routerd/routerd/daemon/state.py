@@ -61,6 +61,9 @@ class EndpointState(RequestBook):
         self.target = url_target(url)
         """(scheme, host, port, path prefix) of ``url`` for the upstream pool."""
         self.state_address = state_address
+        self.kv_events: str | None = None
+        """ZMQ address of its vLLM KV-event publisher (``DiscoveredEndpoint.kv_events``, resolved),
+        or None; read in ``prefix.mode: precise``."""
         self.ready = ready
         self.removed = False
         """Gone from the endpoint source: no new requests, dropped once its requests finish."""

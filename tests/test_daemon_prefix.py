@@ -1,0 +1,389 @@
+"""routerd's approximate prefix mode: the ``prefix`` settings, each request's prefix identity, the
+policies' indexes (bound, forgotten and renumbered with the endpoint table) and the prefix metrics.
+
+Expected blocks come from :mod:`routerd.prefix.text` called on the bytes a request should hash
+(an independent path from the daemon's: no cutting, no request parsing); the bound is checked
+as an invariant over streams of unique prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from conftest import policy_params, toy_profile
+from daemon_fakes import FakeBackend, openai_client, sample, start_daemon
+from routerd.daemon import cli
+from routerd.daemon.app import Daemon
+from routerd.daemon.config import PolicyConfig, PrefixConfig, RouterConfig, Settings, load_settings
+from routerd.daemon.discovery import DiscoveredEndpoint
+from routerd.daemon.endpointslices import endpoints_from_slices
+from routerd.daemon.metrics import Metrics
+from routerd.daemon.prefix import ByteTokenizer, PrefixIdentity, build_prefix_identity, kv_events_address
+from routerd.daemon.proxy import prompt_of
+from routerd.daemon.router import Router, build_routing_policy, prefix_indexes
+from routerd.errors import ConfigError
+from routerd.policies.registry import POLICIES
+from routerd.prefix.index import PrefixIndex
+from routerd.prefix.text import byte_token_array, text_prefix_blocks, token_prefix_blocks
+from routerd.tokens import chat_prompt_text
+
+CACHE_AWARE = {"llmd", "sglang_cache_aware", "dynamo_kv", "lmetric", "phasewise"}
+
+
+# -- settings ----------------------------------------------------------------------------
+
+
+def test_prefix_defaults_yaml_environment_and_flag(tmp_path):
+    s = load_settings(None, environ={})
+    p = s.prefix
+    assert (p.mode, p.block_size, p.chunk_blocks, p.max_prompt_tokens, p.index_capacity_blocks, p.tokenizer) == \
+        ("approximate", None, 4, 131_072, 262_144, "")
+    assert (p.kv_events.port, p.kv_events.topic, p.kv_events.stale_after_s, p.kv_events.max_blocks) == \
+        (5557, "", 10.0, 262_144)
+    assert s.kubernetes.kv_events_port_name == "kv-events"
+    f = tmp_path / "r.yaml"
+    f.write_text("prefix: {mode: precise, tokenizer: bytes, kv_events: {port: 5601, topic: kv}}\n"
+                 "endpoints: [{name: a, url: 'http://10.0.0.1:8000', kv_events: 'tcp://10.0.0.1:5602'}]\n")
+    s = load_settings(f, environ={"PHASEWISE_PREFIX__CHUNK_BLOCKS": "2"})
+    assert (s.prefix.mode, s.prefix.tokenizer, s.prefix.chunk_blocks, s.prefix.kv_events.port) == \
+        ("precise", "bytes", 2, 5601)
+    assert s.endpoints[0].kv_events == "tcp://10.0.0.1:5602"
+    args = _args("--prefix-mode", "off")
+    o, flags = cli.overrides_from_args(args)
+    assert load_settings(f, environ={}, overrides=o, override_flags=flags).prefix.mode == "off"
+
+
+def _args(*argv):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    cli.add_parser(p.add_subparsers(dest="command"))
+    return p.parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("prefix: {mode: exact}\n", "prefix.mode: Input should be 'off', 'approximate' or 'precise'"),
+    ("prefix: {chunk_blocks: 0}\n", "prefix.chunk_blocks: Input should be greater than or equal to 1"),
+    ("prefix: {index_capacity_blocks: 0}\n", "prefix.index_capacity_blocks: Input should be greater than or equal to 1"),
+    ("prefix: {kv_events: {port: 0}}\n", "prefix.kv_events.port: Input should be greater than or equal to 1"),
+    ("prefix: {kv_events: {stale_after_s: 0}}\n", "prefix.kv_events.stale_after_s: Input should be greater than 0"),
+    ("prefix: {tokenizer: ' bytes'}\n", "prefix.tokenizer: must not start or end with white space, got ' bytes'"),
+    ("prefix: {blocksize: 16}\n", "prefix.blocksize: Extra inputs are not permitted"),
+    ("endpoints: [{name: a, url: 'http://h:1', kv_events: 'tcp://*:5557'}]\n",
+     "endpoints[0].kv_events: needs the instance's host (IPv6 in brackets), not '*': 'tcp://*:5557'"),
+    ("endpoints: [{name: a, url: 'http://h:1', kv_events: 'h:5557'}]\n",
+     "endpoints[0].kv_events: must be tcp://host:port or ipc://path, got 'h:5557'"),
+    ("endpoints: [{name: a, url: 'http://h:1', kv_events: 'tcp://h:99999'}]\n",
+     "endpoints[0].kv_events: must be tcp://host:port with a port in 1-65535, got 'tcp://h:99999'"),
+])
+def test_prefix_errors_name_the_field(tmp_path, text, expected):
+    f = tmp_path / "r.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_settings(f, environ={})
+    assert str(e.value) == f"config {f}: {expected}"
+
+
+def test_accepted_kv_event_addresses():
+    for ok in ("tcp://10.0.0.7:5557", "tcp://[fd00::7]:5557", "tcp://vllm-0.svc:1", "ipc:///tmp/kv.sock", ""):
+        assert Settings.model_validate({"endpoints": [{"name": "a", "url": "http://h:1", "kv_events": ok}]})
+
+
+def test_block_size_must_match_the_profile():
+    with pytest.raises(ConfigError) as e:
+        Daemon(Settings.model_validate({"prefix": {"block_size": 32}, "profile": "llama2-7b-v100"}))
+    assert str(e.value).startswith("prefix.block_size: 32 differs from the block_size 16 of profile 'llama2-7b-v100'")
+    assert Daemon(Settings.model_validate({"prefix": {"block_size": 16}})).prefix.block_size == 16
+
+
+def test_kv_event_addresses_resolve_from_the_url_or_the_slice():
+    assert kv_events_address("10.0.0.7", None, 5557) == "tcp://10.0.0.7:5557"
+    assert kv_events_address("fd00::7", None, 5557) == "tcp://[fd00::7]:5557"
+    assert kv_events_address("10.0.0.7", "tcp://10.0.0.9:1", 5557) == "tcp://10.0.0.9:1"
+    assert kv_events_address("10.0.0.7", "", 5557) is None
+    s = Settings.model_validate({"prefix": {"kv_events": {"port": 5601}}, "endpoints": [
+        {"name": "a", "url": "http://10.0.0.1:8000"}, {"name": "b", "url": "http://10.0.0.2:8000", "kv_events": ""},
+        {"name": "c", "url": "http://10.0.0.3:8000", "kv_events": "tcp://10.0.0.3:7000"}]})
+    d = Daemon(s)
+    d._apply_all_endpoints()
+    assert [ep.kv_events for ep in d.router.endpoints] == ["tcp://10.0.0.1:5601", None, "tcp://10.0.0.3:7000"]
+    slices = [{"metadata": {"name": "s"}, "addressType": "IPv4",
+               "ports": [{"name": "http", "port": 8000}, {"name": "kv-events", "port": 5557}],
+               "endpoints": [{"addresses": ["10.0.0.8"], "targetRef": {"name": "p"}}]}]
+    assert endpoints_from_slices(slices)[0].kv_events == "tcp://10.0.0.8:5557"
+    slices[0]["ports"] = [{"name": "http", "port": 8000}]
+    assert endpoints_from_slices(slices)[0].kv_events is None  # the daemon dials the pod at prefix.kv_events.port
+
+
+# -- the prefix identity of a request ----------------------------------------------------
+
+
+def ident(**kw):
+    return PrefixIdentity(PrefixConfig(**kw), 16)
+
+
+def test_text_blocks_are_the_first_chunks_of_the_utf8_bytes():
+    text = "system: be brief\nuser: " + "héllo wörld " * 300  # non-ASCII: 2 bytes per é, ö
+    got = ident().blocks_for(text)
+    assert got == text_prefix_blocks(text.encode(), 16, chunk_blocks=4)
+    assert got.num_blocks == len(text.encode()) // 256 * 4 and got.extents[0][1] == 4
+    assert ident(chunk_blocks=1).blocks_for(text) == text_prefix_blocks(text.encode(), 16)
+    assert ident(mode="off").blocks_for(text) is None and ident().blocks_for(None) is None
+    assert ident().blocks_for("short").num_blocks == 0  # no whole chunk
+
+
+def test_only_the_first_max_prompt_tokens_are_hashed():
+    big = "é" * 600_000  # 1.2 MB of UTF-8
+    cut = ident(max_prompt_tokens=1000).blocks_for(big)
+    # 1000 tokens = 62 blocks of 16 -> 15 whole chunks of 4 blocks (256 bytes each) = 3,840 bytes.
+    assert cut.num_blocks == 60
+    assert cut == text_prefix_blocks(big.encode()[:3840], 16, chunk_blocks=4)
+    whole = ident().blocks_for(big)
+    assert whole.num_blocks == 131_072 // 16 and whole.extents[:15] == cut.extents
+    # Token ids are cut the same way: 1000 tokens -> 62 blocks.
+    ids = list(range(50_000))
+    assert ident(max_prompt_tokens=1000).blocks_for(ids) == token_prefix_blocks(ids[:992], 16)
+
+
+def test_invalid_utf8_and_bad_token_ids_never_raise():
+    lone = "abc\ud800" * 100  # a lone surrogate: encoded with errors="replace"
+    assert ident().blocks_for(lone) == text_prefix_blocks(lone.encode("utf-8", "replace"), 16, chunk_blocks=4)
+    assert ident().blocks_for([1, -5, 3] * 20) is None
+    assert ident().blocks_for([2**40] * 20) is None
+
+
+def test_precise_mode_with_the_byte_tokenizer_hashes_token_blocks(caplog):
+    text = "user: " + "x" * 1000
+    with caplog.at_level(logging.WARNING, logger="routerd.prefix"):
+        p = build_prefix_identity(PrefixConfig(mode="precise", tokenizer="bytes"), 16, "toy")
+    assert isinstance(p.tokenizer, ByteTokenizer) and p.identity == "tokens" and p.source == "approximate"
+    assert p.blocks_for(text) == token_prefix_blocks(byte_token_array(text), 16)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "does not read the instances' KV events yet" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="routerd.prefix"):
+        q = build_prefix_identity(PrefixConfig(mode="precise"), 16, "toy")
+        build_prefix_identity(PrefixConfig(mode="precise"), 16, "toy", say=False)  # a reload that changed nothing
+    assert q.tokenizer is None and q.blocks_for(text) == ident().blocks_for(text)
+    assert len(caplog.records) == 2 and "without prefix.tokenizer" in caplog.records[1].getMessage()
+
+
+def test_what_each_request_form_hashes():
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    # "system: be brief\nuser: hi" is 25 bytes: 7 tokens at 4 bytes each, rounded up.
+    assert prompt_of("chat", {"messages": msgs}) == (7, chat_prompt_text(msgs), chat_prompt_text(msgs))
+    assert prompt_of("completions", {"prompt": "abcdefgh"}) == (2, "abcdefgh", "abcdefgh")
+    assert prompt_of("completions", {"prompt": ["abcd", "efgh"]}) == (2, "abcd\nefgh", "abcd")
+    assert prompt_of("completions", {"prompt": [1, 2, 3]}) == (3, None, [1, 2, 3])
+    assert prompt_of("completions", {"prompt": [[1, 2], [3]]}) == (3, None, [1, 2])
+
+
+# -- which policies read a prefix ---------------------------------------------------------
+
+
+def test_the_cache_aware_policies_are_those_with_a_prefix_index():
+    prof = toy_profile()
+    found = set()
+    for name, cls in POLICIES.items():
+        if cls.oracle:
+            continue
+        pol = build_routing_policy(PolicyConfig(name=name, params=policy_params(name, 4) or {}), prof, 4)
+        if prefix_indexes(pol):
+            found.add(name)
+    assert found == CACHE_AWARE
+
+
+# -- the indexes in the router ----------------------------------------------------------
+
+
+def make_router(policy, n=4, capacity=None, models=None):
+    # 10,000 KV blocks per instance: the policies that size their index by the instance's blocks
+    # (llmd's autoTune, lmetric) ask for more than the bounds the tests set.
+    prof = toy_profile(kv_capacity_tokens=160_000)
+    pol = build_routing_policy(PolicyConfig(name=policy), prof, n)
+    r = Router(profile=prof, policy=pol, policy_name=policy, metrics=Metrics(), config=RouterConfig(tie_break_seed=1),
+               state_max_age_s=2.0)
+    r.configure_prefix(capacity)
+    r.set_endpoints([DiscoveredEndpoint(f"e{i}", f"http://127.0.0.1:{9000 + i}",
+                                        models=() if models is None else (models[i % len(models)],))
+                     for i in range(n)])
+    return r
+
+
+def route(r, text, model=None, tokens=None):
+    q = r.new_request(tokens or max(1, len(text) // 4), None, model=model,
+                      prefix=ident(chunk_blocks=1).blocks_for(text))
+    ep = r.try_dispatch_now(q)
+    r.finish(q)
+    return ep
+
+
+def value(r, name, **labels):
+    v = r.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+@pytest.mark.parametrize("policy", sorted(CACHE_AWARE))
+def test_a_stream_of_unique_prompts_never_grows_an_index_past_its_bound(policy):
+    r = make_router(policy, capacity=300)
+    (ix,) = prefix_indexes(r.policy)
+    peak = 0
+    for k in range(400):
+        route(r, f"{k:06d} unique prompt " + "y" * (64 * 20))  # 20 blocks of 64 bytes, distinct from block 0
+        for ep in r.endpoints:
+            size = ix.size(ep.index)
+            assert size <= 300, (policy, k, ep.name, size)
+            if k % 50 == 0:  # (a scrape collects the whole registry)
+                assert value(r, "phasewise_prefix_index_blocks", endpoint=ep.name) == size
+            peak = max(peak, size)
+    assert peak >= 300 - 20  # the bound is reached: it is what limits the index
+    assert value(r, "phasewise_prefix_match_blocks_count", source="approximate") == 400
+
+
+def test_each_model_policy_gets_the_bound():
+    r = make_router("llmd", capacity=50, models=["a", "b"])
+    route(r, "p" * 64 * 80, model="a")
+    route(r, "q" * 64 * 80, model="b")
+    pa, pb = r._model_policies["a"], r._model_policies["b"]
+    assert {pa.index.hard_limit, pb.index.hard_limit} == {50}
+    sizes = [sum(ix.size(ep.index) for ix in (pa.index, pb.index)) for ep in r.endpoints]
+    assert sorted(sizes) == [0, 0, 50, 50]
+    r.configure_prefix(20)  # a reload lowering the bound evicts now
+    assert sum(pa.index.size(i) + pb.index.size(i) for i in range(4)) == 40
+
+
+def test_removed_endpoints_are_forgotten_and_the_rest_renumbered():
+    r = make_router("llmd", n=3)
+    ix = r.policy.index
+    texts = {}
+    for k in range(30):  # until every endpoint holds some prompt
+        t = f"{k:04d} conversation " + "z" * 640
+        texts.setdefault(route(r, t).name, t)
+        if len(texts) == 3:
+            break
+    assert sorted(texts) == ["e0", "e1", "e2"]
+    held = {n: ix.match(r.by_name[n].index, ident(chunk_blocks=1).blocks_for(texts[n])) for n in texts}
+    assert all(v > 0 for v in held.values())
+    r.set_endpoints([DiscoveredEndpoint(n, f"http://127.0.0.1:{9000 + i}") for i, n in enumerate(["e0", "e1", "e2"])
+                     if n != "e1"])
+    assert [(ep.name, ep.index) for ep in r.endpoints] == [("e0", 0), ("e2", 1)]
+    assert ix.match(1, ident(chunk_blocks=1).blocks_for(texts["e2"])) == held["e2"]  # e2's entries moved with it
+    assert ix.match(1, ident(chunk_blocks=1).blocks_for(texts["e1"])) == 0
+    r.set_endpoints([DiscoveredEndpoint("e0", "http://127.0.0.1:9000"), DiscoveredEndpoint("e2", "http://127.0.0.1:9002"),
+                     DiscoveredEndpoint("e3", "http://127.0.0.1:9003")])
+    assert r.by_name["e3"].index == 2 and ix.size(2) == 0  # the new endpoint at e2's old number starts empty
+    assert value(r, "phasewise_prefix_index_blocks", endpoint="e1") == 0 and \
+        r.metrics.registry.get_sample_value("phasewise_prefix_index_blocks", {"endpoint": "e1"}) is None
+    # Same name, another server: nothing it was sent applies to the new one.
+    r.set_endpoints([DiscoveredEndpoint("e0", "http://127.0.0.1:9100"), DiscoveredEndpoint("e2", "http://127.0.0.1:9002"),
+                     DiscoveredEndpoint("e3", "http://127.0.0.1:9003")])
+    assert ix.size(0) == 0
+    assert ix.match(1, ident(chunk_blocks=1).blocks_for(texts["e2"])) == held["e2"]
+
+
+def test_match_metric_is_what_the_index_held_before_the_decision():
+    r = make_router("llmd")
+    text = "shared system prompt " * 40  # 840 bytes: 13 blocks of 64
+    first = route(r, text)
+    second = route(r, text + " and a question")
+    assert second is first
+    assert value(r, "phasewise_prefix_match_blocks_count", source="approximate") == 2
+    assert value(r, "phasewise_prefix_match_blocks_sum", source="approximate") == 0 + 13
+    assert value(r, "phasewise_prefix_match_blocks_bucket", source="approximate", le="0.0") == 1
+    route(r, "no prefix", tokens=3)  # less than a block: nothing inserted, nothing observed
+    assert value(r, "phasewise_prefix_match_blocks_count", source="approximate") == 2
+
+
+def test_prefix_fallback_series_go_with_their_endpoint():
+    m = Metrics()
+    m.endpoint("a", lambda: 0.0)
+    m.count_prefix_fallback("a", "stale")
+    m.count_prefix_fallback("a", "stale")
+    m.count_prefix_fallback("b", "malformed")
+    assert m.registry.get_sample_value("phasewise_prefix_fallbacks_total", {"endpoint": "a", "reason": "stale"}) == 2
+    m.remove_endpoint("a")
+    assert m.registry.get_sample_value("phasewise_prefix_fallbacks_total", {"endpoint": "a", "reason": "stale"}) is None
+    assert m.registry.get_sample_value("phasewise_prefix_fallbacks_total", {"endpoint": "b", "reason": "malformed"}) == 1
+
+
+# -- the daemon end to end (in process) --------------------------------------------------
+
+
+def test_requests_carry_their_prefix_only_for_a_policy_that_reads_it():
+    async def main():
+        backends = [FakeBackend(f"b{i}", default_tokens=2) for i in range(3)]
+        for b in backends:
+            await b.start()
+        d = await start_daemon(backends, policy={"name": "llmd"}, router={"tie_break_seed": 3}, predictor="none")
+        try:
+            seen = []
+            orig = d.router.new_request
+
+            def spy(*a, **kw):
+                r = orig(*a, **kw)
+                seen.append(r.features.prefix)
+                return r
+
+            d.router.new_request = spy
+            history = [{"role": "system", "content": "You answer in one word. " * 30}]
+            async with openai_client(d) as c:
+                for turn in range(4):
+                    history.append({"role": "user", "content": f"question {turn}"})
+                    r = await c.chat.completions.create(model="m", messages=history, max_tokens=2)
+                    history.append({"role": "assistant", "content": r.choices[0].message.content})
+                got = [b.started for b in backends]
+                assert sorted(got) == [0, 0, 4], got  # every turn on one backend
+                await c.completions.create(model="m", prompt=[5] * 40, max_tokens=2)
+            assert seen[0] == ident().blocks_for(chat_prompt_text(history[:2]))
+            assert seen[-1] == token_prefix_blocks([5] * 40, 16)
+            assert sample(d, "phasewise_prefix_prompt_blocks_count") == 5
+            assert sample(d, "phasewise_prefix_match_blocks_count", source="approximate") == 5
+            # Round robin keeps no index: nothing is hashed.
+            await d.reload(Settings.model_validate({**d.settings.model_dump(), "policy": {"name": "round_robin"}}))
+            seen.clear()
+            async with openai_client(d) as c:
+                await c.completions.create(model="m", prompt="x" * 2000, max_tokens=2)
+            assert seen == [None] and sample(d, "phasewise_prefix_prompt_blocks_count") == 5
+        finally:
+            await d.stop()
+            for b in backends:
+                await b.stop()
+    asyncio.run(main())
+
+
+def test_grpc_route_with_prompt_text_has_a_prefix_and_without_it_none():
+    import grpc
+
+    from routerd.api.v1 import router_pb2, router_pb2_grpc
+
+    async def main():
+        d = await start_daemon(endpoints=[{"name": "e0", "url": "http://127.0.0.1:9"},
+                                          {"name": "e1", "url": "http://127.0.0.1:10"}],
+                               policy={"name": "llmd"}, predictor="none")
+        seen = []
+        orig = d.router.new_request
+
+        def spy(*a, **kw):
+            seen.append(kw.get("prefix"))
+            return orig(*a, **kw)
+
+        d.router.new_request = spy
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{d.grpc_port}") as ch:
+                stub = router_pb2_grpc.RouterServiceStub(ch)
+                text = "t" * 1000
+                a = await stub.Route(router_pb2.RouteRequest(request_id="a", model="m", prompt=text))
+                b = await stub.Route(router_pb2.RouteRequest(request_id="b", model="m", prompt=text + "more"))
+                c = await stub.Route(router_pb2.RouteRequest(request_id="c", model="m", prompt_tokens=250))
+            assert seen[0] == ident().blocks_for(text) and seen[2] is None
+            # b's prompt extends a's, so it follows a (the match outweighs a's 250 tokens of KV there);
+            # c carries no text: no prefix, routed on load.
+            assert a.instance == b.instance
+            assert c.decision == router_pb2.RouteResponse.DISPATCH
+        finally:
+            await d.stop()
+    asyncio.run(main())
