@@ -18,6 +18,7 @@ from routerd.policies.base import ClusterView, PolicyContext, RequestFeatures, s
 from routerd.policies.join_shortest_queue import JoinShortestQueue, outstanding_tokens
 from routerd.policies.kv_headroom import LateBinding, waiting_kv_blocks
 from routerd.policies.static_view import StaticInstanceView
+from routerd.prefix.index import pending_prefill_tokens, pending_prefill_work
 
 # Bucket midpoints (exact in binary) and one length with no exact binary form, which
 # must make the view fall back to the scan.
@@ -36,6 +37,9 @@ def assert_matches_scan(ep: EndpointState) -> None:
     assert ep.load_summary() == summarize_residents(ref.requests)
     assert ep.waiting_kv_blocks() == waiting_kv_blocks(ref)
     assert outstanding_tokens(ep) == outstanding_tokens(ref)
+    assert not hasattr(ref, "pending_prefill_work")  # the reference scans the residents
+    assert ep.pending_prefill_work() == pending_prefill_work(ep) == pending_prefill_work(ref)
+    assert ep.pending_prefill_tokens() == pending_prefill_tokens(ref)
     kept = ep.outstanding_tokens()
     inexact = any(r.predicted_output_tokens == 100.1 for r in ref.requests)
     blind = any(r.blind and not r.first_token for r in ep.requests.values())
@@ -52,7 +56,7 @@ def assert_released(ep: EndpointState) -> None:
     assert ep.outstanding_tokens() == outstanding_tokens(empty)
     assert ep.waiting_kv_blocks() == waiting_kv_blocks(empty)
     assert (ep._prefill, ep._prefill_blocks, ep._sum_tokens, ep._sum_pred, ep._outstanding, ep._n_inexact,
-            ep._n_blind) == ({}, 0, 0, 0.0, 0.0, 0, 0)
+            ep._n_blind, ep._prefill_prompt, ep._prefill_prompt_sq) == ({}, 0, 0, 0.0, 0.0, 0, 0, 0, 0)
     assert all(not g.members for g in ep._groups.values())
 
 

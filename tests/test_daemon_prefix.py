@@ -387,3 +387,28 @@ def test_grpc_route_with_prompt_text_has_a_prefix_and_without_it_none():
         finally:
             await d.stop()
     asyncio.run(main())
+
+
+def test_a_reload_keeps_what_an_unchanged_policy_learned():
+    async def main():
+        backends = [FakeBackend(f"b{i}", default_tokens=1) for i in range(2)]
+        for b in backends:
+            await b.start()
+        d = await start_daemon(backends, policy={"name": "sglang_cache_aware"}, predictor="none")
+        try:
+            async with openai_client(d) as c:
+                await c.completions.create(model="m", prompt="p" * 3000, max_tokens=1)
+            live, ix = d.router.policy, d.router.policy.index
+            held = sum(ix.size(i) for i in range(2))
+            assert held == 3000 // 256 * 4  # 11 chunks of 256 bytes, 4 blocks each
+            base = d.settings.model_dump()
+            assert await d.reload(Settings.model_validate({**base, "upstream": {"connect_timeout_s": 2.0}}))
+            assert d.router.policy is live and sum(ix.size(i) for i in range(2)) == held
+            # Another chunk size: the learned keys mean nothing now, so a fresh policy.
+            assert await d.reload(Settings.model_validate({**base, "prefix": {"chunk_blocks": 2}}))
+            assert d.router.policy is not live and sum(d.router.policy.index.size(i) for i in range(2)) == 0
+        finally:
+            await d.stop()
+            for b in backends:
+                await b.stop()
+    asyncio.run(main())

@@ -93,13 +93,14 @@ def test_match_at_insert_equals_match_before_insert():
     rng = random.Random(11)
     ix = PrefixIndex(60, max_blocks_per_request=25)
     ix.last_insert = None
-    # Prompts share chains: extent hashes drawn from a small trie so that matches are partial.
+    # Prompts share chains: extent hashes drawn from a small trie so that matches are partial;
+    # a chain hash names its whole prefix, so its blocks are the key's (1-5).
     for t in range(3_000):
-        depth = rng.randrange(1, 8)
+        depth = rng.randrange(1, 14)
         ext, h = [], 0
         for _ in range(depth):
             h = h * 3 + rng.randrange(3) + 1
-            ext.append((h, rng.randrange(1, 6)))
+            ext.append((h, h % 5 + 1))
         p = pb(*ext)
         i = rng.randrange(3)
         expect = ix.match(i, p)
@@ -120,3 +121,121 @@ def test_last_insert_by_hand():
     ix.insert(0, None, 3.0)
     ix.insert(0, pb(), 3.0)
     assert ix.last_insert is None  # nothing to insert: nothing observed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_galloping_match_equals_the_linear_walk_on_random_histories(seed):
+    # Long prompts (the galloping path: more than 8 extents) of unequal extents over a trie of
+    # chains, inserted, evicted by capacity (trimming tails), expired by TTL, swept, capped per
+    # request and bounded; every match is checked against chain.matched_blocks' linear walk.
+    from routerd.prefix.chain import matched_blocks
+
+    rng = random.Random(seed)
+    kind = seed % 4
+    ix = PrefixIndex(300 if kind != 2 else 10**6, max_blocks_per_request=None if kind != 1 else 70,
+                     eviction_interval_s=25.0 if kind == 3 else None, ttl_s=40.0 if kind == 2 else None)
+    if kind == 2:
+        ix.limit_capacity(400)
+    prompts = []
+    for t in range(1_500):
+        depth = rng.randrange(1, 40)
+        ext, h = [], 0
+        for _ in range(depth):
+            h = h * 4 + rng.randrange(4) + 1  # a 4-ary trie: many shared heads
+            # A chain hash names its whole prefix, hence its blocks: the count is the key's.
+            ext.append((h, (1, 2, 4, 7)[h % 4]))
+        if rng.random() < 0.3:  # a partial last unit (Mooncake's last hash_id): fewer of its blocks
+            h, c = ext[-1]
+            ext[-1] = (h, rng.randrange(1, c + 1))
+        p = pb(*ext)
+        prompts.append(p)
+        i = rng.randrange(2)
+        now = t * 0.5
+        ix.advance(now)
+        for q in (p, *rng.sample(prompts, min(3, len(prompts)))):
+            for j in (0, 1):
+                want = matched_blocks(q.extents, dict(ix.entries(j)))
+                if ix.max_blocks is not None:
+                    want = min(want, ix.max_blocks)
+                assert ix.match(j, q) == want, (seed, t, j)
+        ix.insert(i, p, now)
+
+
+def _reference_insert(ix: PrefixIndex, instance: int, prefix: PrefixBlocks, now: float) -> None:
+    """The insert as first written: one extent at a time, tail first (what the bulk insert must equal)."""
+    now = ix.advance(now)
+    if prefix is None or prefix.num_blocks == 0:
+        return
+    idx = ix._get(instance)
+    remaining = prefix.num_blocks if ix.max_blocks is None else min(ix.max_blocks, prefix.num_blocks)
+    items = []
+    for h, n in prefix.extents:
+        if remaining <= 0:
+            break
+        m = n if n < remaining else remaining
+        items.append((h, m))
+        remaining -= m
+    matched = inserted = 0
+    for h, m in reversed(items):
+        inserted += m
+        old = idx.blocks.get(h)
+        if old is None:
+            idx.blocks[h] = m
+            idx.size += m
+            matched = 0
+        else:
+            if m > old:
+                idx.blocks[h] = m
+                idx.size += m - old
+                matched = old
+            else:
+                matched += m
+            idx.blocks.move_to_end(h)
+        if idx.touched is not None:
+            idx.touched[h] = now
+    ix.last_insert = (instance, matched, inserted)
+    if ix.eviction_interval_s is None:
+        idx.evict_to_capacity()
+    elif ix.hard_limit is not None:
+        idx.evict_to(ix.hard_limit)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bulk_insert_equals_the_one_at_a_time_insert(seed):
+    rng = random.Random(100 + seed)
+    kind = seed % 4
+    kw = dict(max_blocks_per_request=None if kind != 1 else 70, eviction_interval_s=25.0 if kind == 3 else None,
+              ttl_s=40.0 if kind == 2 else None)
+    a, b = PrefixIndex(300, **kw), PrefixIndex(300, **kw)
+    for t in range(1_500):
+        ext, h = [], 0
+        for _ in range(rng.randrange(1, 40)):
+            h = h * 4 + rng.randrange(4) + 1
+            ext.append((h, (1, 2, 4, 7)[h % 4]))
+        if rng.random() < 0.3:
+            h, c = ext[-1]
+            ext[-1] = (h, rng.randrange(1, c + 1))
+        p, i, now = pb(*ext), rng.randrange(2), t * 0.5
+        a.insert(i, p, now)
+        _reference_insert(b, i, p, now)
+        assert a.last_insert == b.last_insert, t
+        assert a.entries(i) == b.entries(i) and a.size(i) == b.size(i) == sum(c for _, c in b.entries(i)), t
+        if kind == 2:
+            assert a._inst[i].touched == b._inst[i].touched
+
+
+def test_prompts_against_the_invariant_never_break_the_books():
+    # Equal hashes with different block counts (impossible for chain hashes, short of a 64-bit
+    # collision): matches may then differ from the walk, but nothing raises and the size stays
+    # the sum of the entries, within the capacity.
+    rng = random.Random(5)
+    ix = PrefixIndex(60, max_blocks_per_request=25)
+    for t in range(3_000):
+        ext, h = [], 0
+        for _ in range(rng.randrange(1, 20)):
+            h = h * 3 + rng.randrange(3) + 1
+            ext.append((h, rng.randrange(1, 6)))
+        i = rng.randrange(3)
+        ix.match(i, pb(*ext))
+        ix.insert(i, pb(*ext), float(t))
+        assert ix.size(i) == sum(c for _, c in ix.entries(i)) <= 60

@@ -575,7 +575,8 @@ class Daemon:
         """Re-read the config file (or take ``settings``) and apply it without dropping requests.
 
         Endpoints, policy (and its checkpoint), predictor, models, router, state and
-        upstream limits change at once; listener addresses, the event loop, the body limit
+        upstream limits change at once (a cache-aware policy built from unchanged settings is
+        kept, with what its prefix indexes learned); listener addresses, the event loop, the body limit
         and Kubernetes discovery settings need a restart (a warning says so). An invalid new
         configuration is logged and the running one kept. Returns True when applied.
 
@@ -619,9 +620,20 @@ class Daemon:
         self.model_lister.refresh_s = settings.model_refresh_s
         self.router.set_default_models(settings.models)
         self.proxy.reconfigure()
+        live = self.router.policy
+        # What a cache-aware policy learned (its prefix indexes) survives a reload that changes
+        # nothing it was built from: a ConfigMap edit of a timeout must not cost every endpoint
+        # its cache affinity.
+        keep = (self.router.reads_prefix and built.policy_name == self.router.policy_name
+                and settings.policy == old.policy and settings.prefix == old.prefix
+                and settings.router.near_tie == old.router.near_tie and built.profile == live.ctx.profile
+                and tuple(built.edges) == tuple(live.ctx.bucket_edges))
         self.prefix = built.prefix
         self.router.configure_prefix(settings.prefix.index_capacity_blocks, self.prefix.source or "approximate")
-        self.router.set_policy(built.policy, settings.policy.name)
+        if keep:
+            log.info("reload: policy %s unchanged; its prefix indexes are kept", settings.policy.name)
+        else:
+            self.router.set_policy(built.policy, settings.policy.name)
         self._static = self._static_endpoints(settings)
         self._apply_all_endpoints()
         if old.models != settings.models:

@@ -6,7 +6,9 @@ streamed tokens, finish or abort) instead of being recounted from the requests:
 
 * :meth:`RequestBook.load_summary` (the DQN observation, ``summarize_residents``);
 * :meth:`RequestBook.outstanding_tokens` (the JSQ metric);
-* :meth:`RequestBook.waiting_kv_blocks` (``late_binding``'s admission test).
+* :meth:`RequestBook.waiting_kv_blocks` (``late_binding``'s admission test);
+* :meth:`RequestBook.pending_prefill_tokens` and :meth:`RequestBook.pending_prefill_work`
+  (``dynamo_kv``, ``lmetric``, ``phasewise``: the prompt tokens still to prefill).
 
 Each equals what the scanning helper in :mod:`routerd.policies` computes from
 :meth:`RequestBook.residents`, bit for bit (``tests/test_daemon_bookkeeping.py``).
@@ -147,6 +149,10 @@ class RequestBook:
         """Requests before their first token, in dispatch order."""
         self._prefill_blocks = 0
         """Sum over ``_prefill`` of the blocks for prompt + generated tokens."""
+        self._prefill_prompt = 0
+        """Sum over ``_prefill`` of the prompt tokens."""
+        self._prefill_prompt_sq = 0
+        """Sum over ``_prefill`` of the squared prompt tokens (tokens^2)."""
         self._bins = [0, 0, 0]
         self._sum_pred = 0.0
         """Sum of prompt + predicted output over requests with an exact prediction (tokens)."""
@@ -173,6 +179,8 @@ class RequestBook:
         self.requests[r.rid] = r
         self._prefill[r.rid] = r
         self._n_blind += r.blind
+        self._prefill_prompt += r.prompt_tokens
+        self._prefill_prompt_sq += r.prompt_tokens * r.prompt_tokens
         tokens = r.prompt_tokens + r.generated
         self._prefill_blocks += _blocks(tokens, self.block_size)
         self._sum_tokens += tokens
@@ -193,6 +201,8 @@ class RequestBook:
         r.first_token = True
         del self._prefill[r.rid]
         self._n_blind -= r.blind
+        self._prefill_prompt -= r.prompt_tokens
+        self._prefill_prompt_sq -= r.prompt_tokens * r.prompt_tokens
         self._prefill_blocks -= _blocks(tokens, self.block_size)
         self._bins[r.load_bin] += 1
         g = self._groups.get(r.predicted_output)
@@ -249,6 +259,8 @@ class RequestBook:
         else:
             del self._prefill[r.rid]
             self._n_blind -= r.blind
+            self._prefill_prompt -= r.prompt_tokens
+            self._prefill_prompt_sq -= r.prompt_tokens * r.prompt_tokens
             self._prefill_blocks -= _blocks(r.prompt_tokens + r.generated, self.block_size)
         self._summary = self._residents = None
         return True
@@ -343,3 +355,30 @@ class RequestBook:
                        for r in islice(reversed(self._prefill.values()), waiting))
         return self._prefill_blocks - sum(_blocks(r.prompt_tokens + r.generated, bs)
                                           for r in islice(self._prefill.values(), slots))
+
+    def pending_prefill_work(self) -> tuple[int, int]:
+        """``(tokens, attended)`` of the requests in prefill here, as
+        :func:`routerd.prefix.index.pending_prefill_work` counts them from :meth:`residents`: each
+        in-prefill resident's whole prompt ``p`` (gross: routerd does not know its cache hits),
+        ``p`` tokens and ``p * p`` attended. O(1) while no ``blind`` request waits for its first
+        token; otherwise the prefill requests are scanned (a blind one in a running slot counts as
+        decoding, :meth:`residents`), never the decoding ones."""
+        if not self._n_blind:
+            return self._prefill_prompt, self._prefill_prompt_sq
+        slots = self.num_running - (len(self.requests) - len(self._prefill))
+        tokens = attended = 0
+        for r in self._prefill.values():
+            if slots > 0:
+                slots -= 1
+                if r.blind:
+                    continue
+            p = r.prompt_tokens
+            tokens += p
+            attended += p * p
+        return tokens, attended
+
+    def pending_prefill_tokens(self) -> int:
+        """The tokens of :meth:`pending_prefill_work` (``dynamo_kv``'s and ``lmetric``'s prefill backlog)."""
+        if not self._n_blind:
+            return self._prefill_prompt
+        return self.pending_prefill_work()[0]

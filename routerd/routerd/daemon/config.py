@@ -304,9 +304,11 @@ class PrefixConfig(_Model):
     chunk_blocks: int = Field(default=4, ge=1, le=256)
     """Blocks per hashed chunk of text (approximate identity): a chunk is ``chunk_blocks *
     block_size * 4`` bytes (routerd's 4 bytes per token) and a shared prefix is found to its last
-    whole chunk. 4 (256 bytes) keeps a decision on an 8K-token prompt over 8 endpoints under
-    100 us (``benchmarks/prefix_decision_cost.py``); 1 is llm-d's granularity, at 4x the entries
-    and about 4x the matching cost."""
+    whole chunk (a prompt shorter than one chunk has no prefix). A decision costs about one
+    index entry per chunk (the insert into the chosen endpoint's LRU; matching is logarithmic):
+    4 (256 bytes, 64 tokens) is half to a third of 1's cost on 4K-8K-token prompts
+    (``benchmarks/prefix_decision_cost.py``); 1 is llm-d's granularity (64 characters), at 4x
+    the entries."""
     max_prompt_tokens: int = Field(default=131_072, ge=1)
     """Only the prompt's first this many tokens (``block_size``-aligned, at 4 bytes per token) are
     hashed, matched and indexed, so a 1 MB prompt costs what this many tokens cost (llm-d's

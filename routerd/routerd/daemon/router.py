@@ -334,6 +334,7 @@ class Router:
         endpoint (blocks); None: the policies' own capacities (:meth:`configure_prefix`)."""
         self.prefix_source = "approximate"
         """Label of ``phasewise_prefix_match_blocks`` (``PrefixIdentity.source``)."""
+        self._prefix_match = metrics.prefix_match_blocks.labels(self.prefix_source)
         self._indexes: weakref.WeakKeyDictionary[Any, tuple[PrefixIndex, ...]] = weakref.WeakKeyDictionary()
         """Per live policy (the one, and each model's): its prefix indexes, found once."""
         # Gauges read at scrape time from the bookkeeping itself: nothing to update per
@@ -397,6 +398,7 @@ class Router:
         what exceeds it now) and to policies built later; ``source`` labels the match metric."""
         self.prefix_capacity_blocks = capacity_blocks
         self.prefix_source = source
+        self._prefix_match = self.metrics.prefix_match_blocks.labels(source)
         for ix in self._live_indexes():
             ix.limit_capacity(capacity_blocks)
 
@@ -1056,7 +1058,7 @@ class Router:
         for ix in indexes:
             li = ix.last_insert
             if li is not None and li[0] == chosen:
-                self.metrics.prefix_match_blocks.labels(self.prefix_source).observe(li[1])
+                self._prefix_match.observe(li[1])
                 return
 
     def _hold_allowed(self, cands: list[EndpointState], now: float, key: Any = None) -> bool:

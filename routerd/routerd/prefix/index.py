@@ -30,8 +30,10 @@ simulator imports (routerd uses it with blocks hashed from prompt text).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from typing import TYPE_CHECKING, Literal
+from collections import OrderedDict, deque
+from itertools import accumulate, repeat
+from operator import itemgetter
+from typing import TYPE_CHECKING, Literal, Sequence
 
 from routerd.prefix.chain import PrefixBlocks, matched_blocks
 
@@ -44,9 +46,11 @@ class _InstanceIndex:
 
     __slots__ = ("blocks", "touched", "size", "capacity")
 
-    def __init__(self, capacity: int | None) -> None:
+    def __init__(self, capacity: int | None, timed: bool = True) -> None:
         self.blocks: OrderedDict[int, int] = OrderedDict()
-        self.touched: dict[int, float] = {}
+        self.touched: dict[int, float] | None = {} if timed else None
+        """Last insert time per entry (s), for TTL expiry only; None without a TTL (a third less
+        memory per entry and a dict store less per extent inserted)."""
         self.size = 0
         self.capacity = capacity
 
@@ -65,7 +69,8 @@ class _InstanceIndex:
             excess = self.size - cap
             if c <= excess:
                 blocks.popitem(last=False)
-                del self.touched[h]
+                if self.touched is not None:
+                    del self.touched[h]
                 self.size -= c
                 evicted += c
             else:
@@ -78,6 +83,8 @@ class _InstanceIndex:
     def expire(self, deadline: float) -> None:
         """Drop entries last touched at or before ``deadline`` (s)."""
         blocks, touched = self.blocks, self.touched
+        if touched is None:
+            return
         while blocks:
             h = next(iter(blocks))
             if touched[h] > deadline:
@@ -145,7 +152,7 @@ class PrefixIndex:
     def _get(self, instance: int) -> _InstanceIndex:
         idx = self._inst.get(instance)
         if idx is None:
-            idx = self._inst[instance] = _InstanceIndex(self._bounded(self.default_capacity))
+            idx = self._inst[instance] = _InstanceIndex(self._bounded(self.default_capacity), self.ttl_s is not None)
         return idx
 
     def _bounded(self, blocks: int | None) -> int | None:
@@ -250,7 +257,11 @@ class PrefixIndex:
     # --- the two operations -----------------------------------------------------------------
 
     def match(self, instance: int, prefix: PrefixBlocks | None) -> int:
-        """Leading blocks of ``prefix`` believed cached on ``instance`` (blocks), O(extents).
+        """Leading blocks of ``prefix`` believed cached on ``instance`` (blocks), O(log extents).
+
+        Equal to :func:`~routerd.prefix.chain.matched_blocks`' walk, found by a galloping search
+        for the first extent not wholly cached: whether a prefix's extent ``j`` is wholly here is
+        monotone in ``j`` (see :func:`_wholly_cached`).
 
         At most ``max_blocks_per_request``; 0 for ``prefix=None`` or an unknown instance.
         """
@@ -259,7 +270,15 @@ class PrefixIndex:
         idx = self._inst.get(instance)
         if idx is None or not idx.blocks:
             return 0
-        m = matched_blocks(prefix.extents, idx.blocks)
+        ext = prefix.extents
+        if len(ext) <= 8:
+            m = matched_blocks(ext, idx.blocks)
+        else:
+            get = idx.blocks.get
+            k = _wholly_cached(ext, get)
+            m = _leading_blocks(ext, k)
+            if k < len(ext):
+                m += get(ext[k][0], 0)  # the cached blocks of the first extent not wholly cached
         cap = self.max_blocks
         return m if cap is None or m <= cap else cap
 
@@ -273,39 +292,172 @@ class PrefixIndex:
         if prefix is None or prefix.num_blocks == 0:
             return
         idx = self._get(instance)
-        remaining = prefix.num_blocks if self.max_blocks is None else min(self.max_blocks, prefix.num_blocks)
-        items: list[tuple[int, int]] = []
-        for h, n in prefix.extents:
-            if remaining <= 0:
-                break
-            m = n if n < remaining else remaining
-            items.append((h, m))
-            remaining -= m
+        cap = self.max_blocks
+        items: tuple[tuple[int, int], ...] | list[tuple[int, int]] = prefix.extents
+        if cap is not None and prefix.num_blocks > cap:
+            items, remaining = [], cap
+            for h, n in prefix.extents:
+                if remaining <= 0:
+                    break
+                m = n if n < remaining else remaining
+                items.append((h, m))
+                remaining -= m
         blocks, touched = idx.blocks, idx.touched
-        # Walking tail first, ``matched`` restarts at each extent not wholly cached; after the
-        # head it is the leading run of blocks that was cached (matched_blocks' answer).
-        matched = inserted = 0
-        for h, m in reversed(items):
-            inserted += m
-            old = blocks.get(h)
-            if old is None:
-                blocks[h] = m
-                idx.size += m
-                matched = 0
+        get = blocks.get
+        if len(items) <= 8:
+            self._insert_few(instance, idx, items, now)
+            return
+        # The first ``k`` extents are wholly here, the rest not (and, past extent k, absent:
+        # _wholly_cached's invariant), so they are stored in bulk, the same as one extent at a time
+        # tail first would store them: absent ones appended deepest first, extent k grown or
+        # appended, the cached head moved to the end head last (the most recently used).
+        n_items = len(items)
+        k = _wholly_cached(items, get)
+        head = _leading_blocks(items, k)
+        inserted = head
+        matched = head
+        if k < n_items:
+            hk, mk = items[k]
+            old = get(hk, 0)
+            matched += old
+            rest = items[:k:-1]  # extents k+1 .. end, deepest first
+            before = len(blocks)
+            blocks.update(rest)
+            added = sum(map(itemgetter(1), rest))
+            inserted += mk + added
+            if old:
+                blocks[hk] = mk  # old < mk: the whole extent now
+                blocks.move_to_end(hk)
             else:
-                if m > old:
-                    blocks[h] = m
-                    idx.size += m - old
-                    matched = old
-                else:
-                    matched += m
-                blocks.move_to_end(h)
-            touched[h] = now
+                blocks[hk] = mk
+            idx.size += added + mk - old
+            if len(blocks) - before != len(rest) + (0 if old else 1):
+                # A key already here among the absent ones (a 64-bit hash collision): recount.
+                idx.size = sum(blocks.values())
+        if k:
+            try:
+                deque(map(blocks.move_to_end, map(itemgetter(0), items[k - 1::-1])), maxlen=0)
+            except KeyError:
+                # Not all of the head here after all (prompts whose equal hashes differ in blocks,
+                # against the invariant): store it one extent at a time, head last, as a miss would.
+                for h, m in items[k - 1::-1]:
+                    old = get(h)
+                    if old is None:
+                        blocks[h] = m
+                        idx.size += m
+                    else:
+                        if m > old:
+                            blocks[h] = m
+                            idx.size += m - old
+                        blocks.move_to_end(h)
+        if touched is not None:
+            touched.update(zip(map(itemgetter(0), items), repeat(now)))
         self.last_insert = (instance, matched, inserted)
+        self._evict_after_insert(idx)
+
+    def _insert_few(self, instance: int, idx: _InstanceIndex, items: "Sequence[tuple[int, int]]",
+                    now: float) -> None:
+        matched, inserted = _insert_one_at_a_time(idx, items, now)
+        self.last_insert = (instance, matched, inserted)
+        self._evict_after_insert(idx)
+
+    def _evict_after_insert(self, idx: _InstanceIndex) -> None:
         if self.eviction_interval_s is None:
             idx.evict_to_capacity()
         elif self.hard_limit is not None:
             idx.evict_to(self.hard_limit)
+
+
+def _insert_one_at_a_time(idx: _InstanceIndex, items: "Sequence[tuple[int, int]]", now: float) -> tuple[int, int]:
+    """Store ``items`` in ``idx`` tail first (head last, the most recently used); returns
+    ``(matched, inserted)`` blocks. Faster than the bulk path below 9 extents."""
+    blocks, touched = idx.blocks, idx.touched
+    get = blocks.get
+    # Walking tail first, ``matched`` restarts at each extent not wholly cached; after the head
+    # it is the leading run of blocks that was cached (matched_blocks' answer).
+    matched = inserted = 0
+    for h, m in reversed(items):
+        inserted += m
+        old = get(h)
+        if old is None:
+            blocks[h] = m
+            idx.size += m
+            matched = 0
+        else:
+            if m > old:
+                blocks[h] = m
+                idx.size += m - old
+                matched = old
+            else:
+                matched += m
+            blocks.move_to_end(h)
+        if touched is not None:
+            touched[h] = now
+    return matched, inserted
+
+
+def _wholly_cached(ext: "Sequence[tuple[int, int]]", get) -> int:
+    """How many leading extents of ``ext`` are wholly cached (``get(hash, 0) >= blocks``), by a
+    galloping search: O(log k) lookups for ``k`` (about 16 for a 512-extent prompt cached whole,
+    1 for a miss at its head) instead of a walk of ``k``.
+
+    Valid because, in a :class:`PrefixIndex`, an extent of a chain is wholly cached only if every
+    earlier extent of the chain is: extents are chain hashes (each names the whole prefix up to
+    it, hence its blocks), every insert touches a prompt's extents tail first and head last, so
+    along a chain the earlier extent is always the more recently used one, and every eviction
+    (LRU trimming, TTL expiry, in LRU order) takes the later one first and trims only the least
+    recent entry. The only entries shorter than their extent are such a trimmed tail and an
+    extent that a request's block cap or a partial last unit cut, and nothing later on their
+    chain is stored (so past the first extent not wholly cached, nothing of the prefix is).
+    ``tests/test_prefix_index_bounds.py`` checks both matches and inserts against the walk on
+    random histories.
+    """
+    n = len(ext)
+    if n == 0:
+        return 0
+    h, c = ext[0]
+    if get(h, 0) < c:
+        return 0
+    lo, hi, step = 0, n, 1  # ext[lo] wholly cached; ext[hi] not (hi = n: none known)
+    while True:
+        probe = lo + step
+        if probe >= n:
+            break
+        h, c = ext[probe]
+        if get(h, 0) >= c:
+            lo = probe
+            step += step
+        else:
+            hi = probe
+            break
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        h, c = ext[mid]
+        if get(h, 0) >= c:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+_cum_of: tuple = ((), [])
+"""The latest prefix's extents and their running block sums: a decision matches one prefix on
+every candidate, so the sums are taken once per decision (one tuple, rebound whole, so that
+threads sharing it never pair one prefix's extents with another's sums)."""
+
+
+def _leading_blocks(ext: "Sequence[tuple[int, int]]", k: int) -> int:
+    """Blocks in the first ``k`` extents of ``ext``."""
+    global _cum_of
+    if k == 0:
+        return 0
+    if len(ext) <= 8:
+        return sum(map(itemgetter(1), ext[:k]))
+    seen, cum = _cum_of
+    if seen is not ext:
+        cum = list(accumulate(map(itemgetter(1), ext)))
+        _cum_of = (ext, cum)
+    return cum[k - 1]
 
 
 # --- optional instance-view methods, with their fallbacks -------------------------------------

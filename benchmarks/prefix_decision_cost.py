@@ -1,0 +1,205 @@
+"""Decision cost with prefix scoring: one policy ``pick`` on routerd's instance views, with the
+request's prefix and, in the same run, with ``prefix=None`` (the load-only baseline), as a ratio.
+
+Setting: ``--instances`` (4 and 8) of ``llama3.1-8b-h100`` as routerd's own views
+(:class:`routerd.daemon.state.EndpointState`, ``--load`` requests in flight on each, refreshed as
+routerd refreshes them before a decision). The policies' approximate indexes are populated the way
+routerd populates them, by picking: a warm-up of conversations (``--conversations`` per instance,
+in groups of 4 sharing a system prompt of a quarter of the prompt) is sent once, then each timed
+request continues a random conversation: its first ``prompt - 50`` tokens are that conversation's
+history (cached, in the index's belief, where the policy sent it), the system prompt is cached
+wherever the group's other conversations went, the last 50 tokens are new. Prompts are hashed by
+routerd's :class:`~routerd.daemon.prefix.PrefixIdentity` (``prefix.chunk_blocks`` as given) before
+timing. A second table, ``worst``, gives every instance the whole prompt (a system prompt of
+the full length replicated everywhere), so every candidate's match walks every extent.
+
+Each timed pick is the policy's whole ``pick`` (scoring every candidate, its index's match per
+candidate and its insert into the chosen one), by the wall clock (``perf_counter_ns``) and by the
+thread's CPU clock (``thread_time_ns``: what it costs; the wall clock also counts the time the
+thread was preempted, which dominates p99 on a shared machine); p50 and p99 over ``--n`` picks
+after 10% warm-up. The prefix hashing (``PrefixIdentity.blocks_for``, what
+routerd does once per request at parse) is timed apart, per prompt size and chunk size.
+
+Target (issue 14): <= 100 us p99 per decision with prefix scoring for prompts up to 8K tokens.
+No timed tests: this prints figures.
+
+Usage: python benchmarks/prefix_decision_cost.py [--n 3000] [--instances 4,8] [--tokens 1024,4096,8192]
+       [--chunk-blocks 4,1] [--policies llmd,sglang_cache_aware,dynamo_kv,phasewise] [--load 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+
+import numpy as np
+
+from routerd.daemon.config import PolicyConfig, PrefixConfig
+from routerd.daemon.prefix import PrefixIdentity
+from routerd.daemon.router import build_routing_policy, prefix_indexes
+from routerd.daemon.state import EndpointState, Inflight
+from routerd.policies.base import ClusterView, RequestFeatures
+from routerd.profiles import get_profile
+
+PROFILE = "llama3.1-8b-h100"
+NEW_TOKENS = 50  # the new question at the end of each timed prompt
+
+
+def pct(ns: list[int]) -> tuple[float, float]:
+    a = np.asarray(ns, dtype=float) / 1000.0
+    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+
+
+_VOCAB = ["".join(random.Random(k).choice("abcdefghijklmnopqrstuvwxyz") for _ in range(2 + k % 7)) + " "
+          for k in range(4096)]
+
+
+def words(rng: random.Random, nbytes: int) -> str:
+    """``nbytes`` of ASCII text: random words of 3-9 bytes from a 4,096-word vocabulary."""
+    return "".join(rng.choices(_VOCAB, k=nbytes // 3 + 1))[:nbytes]
+
+
+def views(prof, m: int, load: int, rng: np.random.Generator) -> list[EndpointState]:
+    eps = []
+    for i in range(m):
+        ep = EndpointState(i, f"e{i}", f"http://10.0.0.{i}:8000", None, True, prof)
+        for k in range(load):
+            r = Inflight(k, k, int(rng.integers(200, 4000)), int(rng.integers(0, 4)), 400.0, 0.0)
+            ep.add(r, 0.0)
+            if k % 4:  # three in four decoding, one prefilling or waiting
+                ep.on_first_token(r)
+                ep.on_tokens(r, int(rng.integers(1, 300)))
+        ep.refresh(0.0, 2.0)
+        eps.append(ep)
+    return eps
+
+
+def features(rid: int, tokens: int, prefix) -> RequestFeatures:
+    return RequestFeatures(rid, 0.0, tokens, 1, 400.0, None, prefix)
+
+
+def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conversations: int,
+            worst: bool) -> tuple[list[float], float]:
+    """([p50, p99 with prefix, p50, p99 without] by the wall clock, then the same by the thread's CPU
+    clock (us), mean matched blocks on the chosen instance)."""
+    prof = get_profile(PROFILE)
+    ident = PrefixIdentity(PrefixConfig(chunk_blocks=chunk), prof.block_size)
+    rng = random.Random(tokens * 31 + m)
+    nbytes = tokens * 4
+    sys_bytes = nbytes if worst else nbytes // 4
+    groups = [words(rng, sys_bytes) for _ in range(max(1, conversations * m // 4))]
+    convs = [groups[c % len(groups)] + words(rng, nbytes - sys_bytes) for c in range(conversations * m)]
+    hist = nbytes - NEW_TOKENS * 4
+    timed = []
+    for k in range(n):
+        c = rng.randrange(len(convs))
+        text = convs[c][:hist] + words(rng, NEW_TOKENS * 4)
+        timed.append(ident.blocks_for(text))
+    eps = views(prof, m, load, np.random.default_rng(m))
+
+    out: list[float] = []
+    cpu_out: list[float] = []
+    matched = []
+    for with_prefix in (True, False):
+        policy = build_routing_policy(PolicyConfig(name=name), prof, m, near_tie=0.05)
+        for ix in prefix_indexes(policy):
+            ix.limit_capacity(262_144)  # routerd's default bound
+        now = 1.0
+        if worst:
+            for ix in prefix_indexes(policy):
+                for ep in eps:
+                    ix.set_capacity(ep.index, max(1, ep.kv_total_blocks)) if not ix.has_instance(ep.index) else None
+                    ix.insert(ep.index, ident.blocks_for(convs[0]), now)
+        else:
+            for c, text in enumerate(convs):  # the warm-up: every conversation's history sent once
+                view = ClusterView(now, eps, 1)
+                policy.pick(features(c, tokens, ident.blocks_for(text[:hist]) if with_prefix else None), view)
+        gc.collect()
+        ns: list[int] = []
+        cpu_ns: list[int] = []
+        wall, cpu = time.perf_counter_ns, time.thread_time_ns
+        ixs = prefix_indexes(policy)
+        for k, prefix in enumerate(timed):
+            now += 0.01
+            for ep in eps:
+                ep.refresh(now, 2.0)
+            f = features(10_000 + k, tokens, prefix if with_prefix else None)
+            view = ClusterView(now, eps, 1)
+            for ix in ixs:
+                ix.last_insert = None
+            c, t = cpu(), wall()
+            policy.pick(f, view)
+            t, c = wall() - t, cpu() - c
+            ns.append(t)
+            cpu_ns.append(c)
+            if with_prefix and k >= n // 10:
+                li = next((ix.last_insert for ix in ixs if ix.last_insert is not None), None)
+                if li is not None:
+                    matched.append(li[1])
+        out.extend(pct(ns[n // 10:]))
+        cpu_out.extend(pct(cpu_ns[n // 10:]))
+    return out + cpu_out, float(np.mean(matched)) if matched else 0.0
+
+
+def hashing(tokens: int, chunk: int, n: int) -> tuple[float, float, int]:
+    prof = get_profile(PROFILE)
+    ident = PrefixIdentity(PrefixConfig(chunk_blocks=chunk), prof.block_size)
+    rng = random.Random(tokens)
+    texts = [words(rng, tokens * 4 - 16) + f"{k:016d}" for k in range(64)]
+    ns = []
+    wall = time.perf_counter_ns
+    for k in range(n):
+        text = texts[k % len(texts)]
+        t = wall()
+        p = ident.blocks_for(text)
+        ns.append(wall() - t)
+    p50, p99 = pct(ns[n // 10:])
+    return p50, p99, len(p.extents)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=3000, help="timed picks per case")
+    ap.add_argument("--instances", default="4,8")
+    ap.add_argument("--tokens", default="1024,4096,8192", help="prompt sizes (tokens)")
+    ap.add_argument("--chunk-blocks", default="4,1", help="prefix.chunk_blocks values (routerd's default first)")
+    ap.add_argument("--policies", default="llmd,sglang_cache_aware,dynamo_kv,phasewise")
+    ap.add_argument("--load", type=int, default=16, help="requests in flight per instance")
+    ap.add_argument("--conversations", type=int, default=8, help="warm-up conversations per instance")
+    a = ap.parse_args()
+    ms = [int(x) for x in a.instances.split(",")]
+    sizes = [int(x) for x in a.tokens.split(",")]
+    chunks = [int(x) for x in a.chunk_blocks.split(",")]
+    pols = a.policies.split(",")
+    gc.freeze()
+
+    print(f"prefix hashing (PrefixIdentity.blocks_for, once per request at parse), us; {a.n} prompts per row")
+    print(f"{'tokens':>7} {'chunk_blocks':>12} {'extents':>8} {'p50':>8} {'p99':>8}")
+    for chunk in chunks:
+        for tokens in sizes:
+            p50, p99, ext = hashing(tokens, chunk, a.n)
+            print(f"{tokens:>7} {chunk:>12} {ext:>8} {p50:>8.1f} {p99:>8.1f}")
+    for worst in (False, True):
+        what = ("worst: the whole prompt cached on every instance" if worst else
+                "conversations: history on one instance, system prompt (1/4) on several")
+        print(f"\npick with prefix vs prefix=None, us ({what}; {PROFILE}, {a.load} in flight per instance);"
+              f" wall clock, then the thread's CPU clock (without preemption)")
+        print(f"{'policy':>19} {'m':>2} {'tokens':>6} {'chunk':>5} | {'p50':>6} {'p99':>6} {'None':>5} {'None':>5} "
+              f"{'x p50':>5} {'x p99':>5} | {'cpu p50':>7} {'p99':>6} {'None':>5} {'None':>5} {'x p50':>5} "
+              f"{'x p99':>5} | {'matched':>7}")
+        for chunk in chunks:
+            for name in pols:
+                for m in ms:
+                    for tokens in sizes:
+                        f, mb = measure(name, m, tokens, chunk, a.n, a.load, a.conversations, worst)
+                        w50, w99, o50, o99, c50, c99, d50, d99 = f
+                        flag = "" if c99 <= 100.0 else "  CPU p99 > 100 us"
+                        print(f"{name:>19} {m:>2} {tokens:>6} {chunk:>5} | {w50:6.1f} {w99:6.1f} {o50:5.1f} "
+                              f"{o99:5.1f} {w50 / o50:5.2f} {w99 / o99:5.2f} | {c50:7.1f} {c99:6.1f} {d50:5.1f} "
+                              f"{d99:5.1f} {c50 / d50:5.2f} {c99 / d99:5.2f} | {mb:7.1f}{flag}")
+
+
+if __name__ == "__main__":
+    main()
