@@ -20,17 +20,24 @@ thread was preempted, which dominates p99 on a shared machine); p50 and p99 over
 after 10% warm-up. The prefix hashing (``PrefixIdentity.blocks_for``, what
 routerd does once per request at parse) is timed apart, per prompt size and chunk size.
 
-Target (issue 14): <= 100 us p99 per decision with prefix scoring for prompts up to 8K tokens.
-No timed tests: this prints figures.
+Also the index's memory (``--memory-bound``): the process's RSS while a stream of unique 4K-token
+prompts fills 4 instances' index to the bound and goes on for twice as much again (it levels off
+past the bound: the dicts' tables and the allocator keep what churn needs).
+
+Target (issue 14): <= 100 us p99 per decision with prefix scoring for prompts up to 8K tokens;
+the index holds its memory bound under a stream of unique prompts. No timed tests: this prints
+figures.
 
 Usage: python benchmarks/prefix_decision_cost.py [--n 3000] [--instances 4,8] [--tokens 1024,4096,8192]
        [--chunk-blocks 4,1] [--policies llmd,sglang_cache_aware,dynamo_kv,phasewise] [--load 16]
+       [--memory-bound 262144]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import time
 
@@ -159,6 +166,34 @@ def hashing(tokens: int, chunk: int, n: int) -> tuple[float, float, int]:
     return p50, p99, len(p.extents)
 
 
+def rss_mb() -> float:
+    """This process's resident set (MB, ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+def memory(bound: int, m: int, ttl: bool) -> list[tuple[int, float, int]]:
+    """RSS while a stream of unique 4K-token prompts fills ``m`` instances' index to ``bound``
+    blocks each and goes on for twice as much again: ``(prompts, RSS MB, blocks held)`` rows."""
+    from routerd.prefix.index import PrefixIndex
+
+    ident = PrefixIdentity(PrefixConfig(), 16)
+    ix = PrefixIndex(None, ttl_s=120.0 if ttl else None)
+    ix.limit_capacity(bound)
+    base = words(random.Random(5), 16384 - 16)
+    per = ident.blocks_for(base).num_blocks
+    total = 3 * bound * m // per
+    rows = []
+    gc.collect()
+    rows.append((0, rss_mb(), 0))
+    for k in range(total):
+        ix.insert(k % m, ident.blocks_for(f"{k:016d}" + base), k * 1e-4)  # distinct from the first chunk
+        if (k + 1) % (total // 6) == 0:
+            gc.collect()
+            rows.append((k + 1, rss_mb(), sum(ix.size(i) for i in range(m))))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=3000, help="timed picks per case")
@@ -168,11 +203,21 @@ def main() -> None:
     ap.add_argument("--policies", default="llmd,sglang_cache_aware,dynamo_kv,phasewise")
     ap.add_argument("--load", type=int, default=16, help="requests in flight per instance")
     ap.add_argument("--conversations", type=int, default=8, help="warm-up conversations per instance")
+    ap.add_argument("--memory-bound", type=int, default=262_144,
+                    help="prefix.index_capacity_blocks for the memory part (0: skip it)")
     a = ap.parse_args()
     ms = [int(x) for x in a.instances.split(",")]
     sizes = [int(x) for x in a.tokens.split(",")]
     chunks = [int(x) for x in a.chunk_blocks.split(",")]
     pols = a.policies.split(",")
+    if a.memory_bound:
+        for ttl in (False, True):
+            rows = memory(a.memory_bound, 4, ttl)
+            print(f"index memory: unique 4K-token prompts into 4 instances bounded at {a.memory_bound} blocks each "
+                  f"({'with a TTL, as dynamo_kv' if ttl else 'no TTL'}); RSS MB: " +
+                  ", ".join(f"{n} prompts {r:.0f} MB ({b} blocks)" for n, r, b in rows) +
+                  f"; {(rows[-1][1] - rows[0][1]) * 1e6 / max(1, rows[-1][2] // 4):.0f} bytes per entry of 4 blocks"
+                  " at the end")
     gc.freeze()
 
     print(f"prefix hashing (PrefixIdentity.blocks_for, once per request at parse), us; {a.n} prompts per row")

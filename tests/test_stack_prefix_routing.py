@@ -15,8 +15,8 @@ What is asserted, per policy with a prefix term (``llmd``, ``phasewise``):
   conversations whose system prompts differ from their first bytes spread (their first turns are
   ties broken at random: 6 conversations on one endpoint of 4 has probability 4 / 4^6);
 * ``prefix.mode: off``: the same policy sees no prefix and breaks every tie at random, so turns
-  do not stick: of the 18 turn-to-turn transitions, at most 12 stay (the chance of 13 or more
-  staying at random, 1/4 each, is below 1e-5), against 18 of 18 with the prefix;
+  do not stick: of the 18 turn-to-turn transitions, at most 12 stay (13 or more staying at
+  random, 1/4 each, has probability 3.4e-5), against 18 of 18 with the prefix;
 * routerd's ``phasewise_prefix_match_blocks`` histogram counts one observation per decision with
   a prefix, and only those, and ``phasewise_prefix_index_blocks`` is positive exactly on the
   endpoints that served a conversation.

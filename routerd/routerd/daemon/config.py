@@ -317,8 +317,9 @@ class PrefixConfig(_Model):
     """Bound on each policy's approximate index per endpoint (blocks), over any capacity the
     policy sets itself (llm-d's LRU of kv_total_blocks, phasewise's 31,250, SGLang's tree between
     sweeps, Dynamo's TTL-only index); least recently used entries go first. Memory: about 200
-    bytes per entry of ``chunk_blocks`` blocks (measured), so 262,144 blocks at ``chunk_blocks``
-    4 is about 13 MB per endpoint (per model with several models)."""
+    bytes per entry of ``chunk_blocks`` blocks (300 with ``dynamo_kv``'s TTL; measured RSS,
+    ``benchmarks/prefix_decision_cost.py``), so 262,144 blocks at ``chunk_blocks`` 4 is about
+    13 MB per endpoint (per model with several models)."""
     tokenizer: str = ""
     """Precise mode's tokenizer: ``""`` (none: text chunks as in approximate mode), ``bytes``
     (the emulator's deterministic tokenizer, 4 UTF-8 bytes per token) or the path of a Hugging
