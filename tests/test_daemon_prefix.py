@@ -68,7 +68,8 @@ def _args(*argv):
 @pytest.mark.parametrize("text, expected", [
     ("prefix: {mode: exact}\n", "prefix.mode: Input should be 'off', 'approximate' or 'precise'"),
     ("prefix: {chunk_blocks: 0}\n", "prefix.chunk_blocks: Input should be greater than or equal to 1"),
-    ("prefix: {index_capacity_blocks: 0}\n", "prefix.index_capacity_blocks: Input should be greater than or equal to 1"),
+    ("prefix: {index_capacity_blocks: 0}\n",
+     "prefix.index_capacity_blocks: Input should be greater than or equal to 1"),
     ("prefix: {kv_events: {port: 0}}\n", "prefix.kv_events.port: Input should be greater than or equal to 1"),
     ("prefix: {kv_events: {stale_after_s: 0}}\n", "prefix.kv_events.stale_after_s: Input should be greater than 0"),
     ("prefix: {tokenizer: ' bytes'}\n", "prefix.tokenizer: must not start or end with white space, got ' bytes'"),
@@ -273,13 +274,15 @@ def test_removed_endpoints_are_forgotten_and_the_rest_renumbered():
     assert [(ep.name, ep.index) for ep in r.endpoints] == [("e0", 0), ("e2", 1)]
     assert ix.match(1, ident(chunk_blocks=1).blocks_for(texts["e2"])) == held["e2"]  # e2's entries moved with it
     assert ix.match(1, ident(chunk_blocks=1).blocks_for(texts["e1"])) == 0
-    r.set_endpoints([DiscoveredEndpoint("e0", "http://127.0.0.1:9000"), DiscoveredEndpoint("e2", "http://127.0.0.1:9002"),
+    r.set_endpoints([DiscoveredEndpoint("e0", "http://127.0.0.1:9000"),
+                     DiscoveredEndpoint("e2", "http://127.0.0.1:9002"),
                      DiscoveredEndpoint("e3", "http://127.0.0.1:9003")])
     assert r.by_name["e3"].index == 2 and ix.size(2) == 0  # the new endpoint at e2's old number starts empty
     assert value(r, "phasewise_prefix_index_blocks", endpoint="e1") == 0 and \
         r.metrics.registry.get_sample_value("phasewise_prefix_index_blocks", {"endpoint": "e1"}) is None
     # Same name, another server: nothing it was sent applies to the new one.
-    r.set_endpoints([DiscoveredEndpoint("e0", "http://127.0.0.1:9100"), DiscoveredEndpoint("e2", "http://127.0.0.1:9002"),
+    r.set_endpoints([DiscoveredEndpoint("e0", "http://127.0.0.1:9100"),
+                     DiscoveredEndpoint("e2", "http://127.0.0.1:9002"),
                      DiscoveredEndpoint("e3", "http://127.0.0.1:9003")])
     assert ix.size(0) == 0
     assert ix.match(1, ident(chunk_blocks=1).blocks_for(texts["e2"])) == held["e2"]
@@ -307,7 +310,8 @@ def test_prefix_fallback_series_go_with_their_endpoint():
     assert m.registry.get_sample_value("phasewise_prefix_fallbacks_total", {"endpoint": "a", "reason": "stale"}) == 2
     m.remove_endpoint("a")
     assert m.registry.get_sample_value("phasewise_prefix_fallbacks_total", {"endpoint": "a", "reason": "stale"}) is None
-    assert m.registry.get_sample_value("phasewise_prefix_fallbacks_total", {"endpoint": "b", "reason": "malformed"}) == 1
+    assert m.registry.get_sample_value("phasewise_prefix_fallbacks_total",
+                                       {"endpoint": "b", "reason": "malformed"}) == 1
 
 
 # -- the daemon end to end (in process) --------------------------------------------------

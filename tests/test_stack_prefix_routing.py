@@ -29,6 +29,7 @@ from collections import Counter
 
 import pytest
 
+from routerd.tokens import chat_prompt_text
 from stack_processes import Stack, client, metric_by, metric_sum, routerd_metrics, scrape, wait_until
 
 MODEL = "llama-2-7b"
@@ -82,15 +83,20 @@ def _system_prompt(j: int, tag: str) -> str:
     return f"Conversation {j} ({tag}): {body}"
 
 
-def _run_conversations(s: Stack, tag: str) -> list[list[str]]:
-    """Endpoint name of every turn of each conversation (interleaved turn by turn)."""
+def _run_conversations(s: Stack, tag: str, sent: list | None = None) -> list[list[str]]:
+    """Endpoint name of every turn of each conversation (interleaved turn by turn); ``sent``
+    collects each conversation's prompts as routerd renders them (``chat_prompt_text``)."""
     histories = [[{"role": "system", "content": _system_prompt(j, tag)}] for j in range(CONVERSATIONS)]
     where: list[list[str]] = [[] for _ in range(CONVERSATIONS)]
+    if sent is not None:
+        sent[:] = [[] for _ in range(CONVERSATIONS)]
     with client(s, TIMEOUT_S) as c:
         for turn in range(TURNS):
             for j, messages in enumerate(histories):
                 messages.append({"role": "user", "content": f"Question {turn} of conversation {j}: what next?"})
                 before = _served(s)
+                if sent is not None:
+                    sent[j].append(chat_prompt_text(messages))
                 r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24)
                 after = wait_until(lambda: _served(s), lambda a: sum(a.values()) == sum(before.values()) + 1,
                                    TIMEOUT_S, "one more request completed by the emulators")
@@ -108,7 +114,8 @@ def _stays(where: list[list[str]]) -> int:
 def test_conversations_stick_with_approximate_prefix_and_not_without(stack, policy):
     _reconfigure(stack, policy, "approximate")
     m0 = routerd_metrics(stack)
-    where = _run_conversations(stack, f"{policy}-approximate")
+    sent: list[list[str]] = []
+    where = _run_conversations(stack, f"{policy}-approximate", sent)
     m1 = routerd_metrics(stack)
     for j, turns in enumerate(where):
         assert len(set(turns)) == 1, f"{policy}: conversation {j} moved between endpoints: {turns}"
@@ -118,9 +125,12 @@ def test_conversations_stick_with_approximate_prefix_and_not_without(stack, poli
     observed = (metric_sum(m1, "phasewise_prefix_match_blocks_count", source="approximate")
                 - metric_sum(m0, "phasewise_prefix_match_blocks_count", source="approximate"))
     assert observed == decisions
-    # Turns after the first matched at least the system prompt's blocks (1.2 KB = 18+ blocks of 64 bytes).
-    matched = (metric_sum(m1, "phasewise_prefix_match_blocks_sum") - metric_sum(m0, "phasewise_prefix_match_blocks_sum"))
-    assert matched >= CONVERSATIONS * (TURNS - 1) * 18
+    # Each turn resends the previous prompt whole and more, so on its endpoint it matches the
+    # previous prompt's whole chunks of 256 bytes (4 blocks of 16 tokens at 4 bytes each; the
+    # chunk that straddles its end was never indexed); first turns match nothing.
+    matched = metric_sum(m1, "phasewise_prefix_match_blocks_sum") - metric_sum(m0, "phasewise_prefix_match_blocks_sum")
+    assert matched == sum(len(p.encode()) // 256 * 4 for prompts in sent for p in prompts[:-1])
+    assert matched >= CONVERSATIONS * (TURNS - 1) * 16  # the system prompt alone: 1.2 KB
     index = metric_by(m1, "phasewise_prefix_index_blocks", "endpoint")
     assert {n for n, v in index.items() if v > 0} == set(firsts), index
 
@@ -131,7 +141,8 @@ def test_conversations_stick_with_approximate_prefix_and_not_without(stack, poli
     assert stays <= 12, f"{policy} with prefix.mode off: {stays} of 18 turns stayed: {where_off}"
     assert _stays(where) == CONVERSATIONS * (TURNS - 1)
     # No prefix, no observation; the reload built a fresh policy, whose indexes are empty.
-    assert metric_sum(m2, "phasewise_prefix_match_blocks_count") == metric_sum(m1, "phasewise_prefix_match_blocks_count")
+    count = "phasewise_prefix_match_blocks_count"
+    assert metric_sum(m2, count) == metric_sum(m1, count)
     assert sum(metric_by(m2, "phasewise_prefix_index_blocks", "endpoint").values()) == 0
     spread = Counter(t for turns in where_off for t in turns)
     assert len(spread) >= 2, spread
