@@ -22,7 +22,8 @@ from routerd.daemon.config import PolicyConfig, PrefixConfig, RouterConfig, Sett
 from routerd.daemon.discovery import DiscoveredEndpoint
 from routerd.daemon.endpointslices import endpoints_from_slices
 from routerd.daemon.metrics import Metrics
-from routerd.daemon.prefix import ByteTokenizer, PrefixIdentity, build_prefix_identity, kv_events_address
+from routerd.daemon.prefix import EngineKeyed, PrefixIdentity, build_prefix_identity, kv_events_address
+from routerd.prefix.tokenize import ByteTokenizer
 from routerd.daemon.proxy import prompt_of
 from routerd.daemon.router import Router, build_routing_policy, prefix_indexes
 from routerd.errors import ConfigError
@@ -147,7 +148,7 @@ def test_only_the_first_max_prompt_tokens_are_hashed():
     assert whole.num_blocks == 131_072 // 16 and whole.extents[:15] == cut.extents
     # Token ids are cut the same way: 1000 tokens -> 62 blocks.
     ids = list(range(50_000))
-    assert ident(max_prompt_tokens=1000).blocks_for(ids) == token_prefix_blocks(ids[:992], 16)
+    assert ident(max_prompt_tokens=1000).blocks_for(ids) == EngineKeyed(*_fields(token_prefix_blocks(ids[:992], 16)))
 
 
 def test_invalid_utf8_and_bad_token_ids_never_raise():
@@ -157,20 +158,53 @@ def test_invalid_utf8_and_bad_token_ids_never_raise():
     assert ident().blocks_for([2**40] * 20) is None
 
 
-def test_precise_mode_with_the_byte_tokenizer_hashes_token_blocks(caplog):
+def _fields(p):
+    return p.extents, p.num_blocks, p.tail
+
+
+def test_precise_mode_with_the_byte_tokenizer_hashes_token_blocks(caplog, tmp_path):
     text = "user: " + "x" * 1000
     with caplog.at_level(logging.WARNING, logger="routerd.prefix"):
         p = build_prefix_identity(PrefixConfig(mode="precise", tokenizer="bytes"), 16, "toy")
-    assert isinstance(p.tokenizer, ByteTokenizer) and p.identity == "tokens" and p.source == "approximate"
-    assert p.blocks_for(text) == token_prefix_blocks(byte_token_array(text), 16)
-    said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and "does not read the instances' KV events yet" in said[0]
-    caplog.clear()
+    assert isinstance(p.tokenizer, ByteTokenizer) and p.identity == "tokens" and p.source == "precise"
+    got = p.blocks_for(text)
+    assert got == EngineKeyed(*_fields(token_prefix_blocks(byte_token_array(text), 16)))
+    # The emulator renders chat as routerd does: chat prompts get engine keys too.
+    assert isinstance(p.blocks_for(text, chat=True), EngineKeyed)
+    assert caplog.records == []  # nothing to say: the KV events are read
+    # Text identities (approximate mode, or precise without a tokenizer) never carry engine keys.
+    assert not isinstance(ident().blocks_for(text), EngineKeyed)
     with caplog.at_level(logging.WARNING, logger="routerd.prefix"):
         q = build_prefix_identity(PrefixConfig(mode="precise"), 16, "toy")
         build_prefix_identity(PrefixConfig(mode="precise"), 16, "toy", say=False)  # a reload that changed nothing
-    assert q.tokenizer is None and q.blocks_for(text) == ident().blocks_for(text)
-    assert len(caplog.records) == 2 and "without prefix.tokenizer" in caplog.records[1].getMessage()
+        missing = build_prefix_identity(PrefixConfig(mode="precise", tokenizer=str(tmp_path / "nope.json")), 16,
+                                        "toy")
+    assert q.tokenizer is None and q.source == "approximate" and q.blocks_for(text) == ident().blocks_for(text)
+    assert missing.tokenizer is None and missing.source == "approximate"
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "no tokenizer configured" in said[0] and "nope.json does not exist" in said[1]
+
+
+def test_precise_mode_with_a_model_tokenizer_keys_completions_not_chat(caplog, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate("user: system: hello world again and".split())}}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    p = build_prefix_identity(PrefixConfig(mode="precise", tokenizer=str(path)), 4, "toy")
+    text = "hello world again and " * 8  # 32 words: 8 blocks of 4
+    got = p.blocks_for(text)
+    want = EngineKeyed(*_fields(token_prefix_blocks(tok.encode(text).ids, 4)))
+    assert isinstance(got, EngineKeyed) and got == want and got.num_blocks == 8
+    with caplog.at_level(logging.WARNING, logger="routerd.prefix"):
+        chat = p.blocks_for("user: " + text, chat=True)
+        p.blocks_for("user: " + text, chat=True)
+    assert not isinstance(chat, EngineKeyed)  # the chat template is not rendered: approximate
+    assert len(caplog.records) == 1 and "chat requests are matched against the approximate index" in \
+        caplog.records[0].getMessage()
 
 
 def test_what_each_request_form_hashes():
@@ -343,7 +377,7 @@ def test_requests_carry_their_prefix_only_for_a_policy_that_reads_it():
                 assert sorted(got) == [0, 0, 4], got  # every turn on one backend
                 await c.completions.create(model="m", prompt=[5] * 40, max_tokens=2)
             assert seen[0] == ident().blocks_for(chat_prompt_text(history[:2]))
-            assert seen[-1] == token_prefix_blocks([5] * 40, 16)
+            assert seen[-1] == EngineKeyed(*_fields(token_prefix_blocks([5] * 40, 16)))
             assert sample(d, "phasewise_prefix_prompt_blocks_count") == 5
             assert sample(d, "phasewise_prefix_match_blocks_count", source="approximate") == 5
             # Round robin keeps no index: nothing is hashed.

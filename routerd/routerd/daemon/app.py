@@ -87,6 +87,18 @@ def load_length_predictor(spec: str):
                           f"install the extra: pip install 'phasewise[{extra}]'") from None
 
 
+def _with_prefix_source(cfg: PolicyConfig, source: str | None) -> PolicyConfig:
+    """``cfg`` with its policy's ``prefix_source`` parameter following ``prefix.mode`` (``precise``
+    when routerd reads KV events, else ``approximate``), unless the configuration sets it: one
+    setting decides where every cache-aware policy's matches come from."""
+    from routerd.policies.registry import POLICIES
+
+    cls = POLICIES.get(cfg.name)
+    if source is None or cls is None or "prefix_source" in cfg.params or "prefix_source" not in cls.Params.model_fields:
+        return cfg
+    return cfg.model_copy(update={"params": {**cfg.params, "prefix_source": source}})
+
+
 class _Built:
     """Everything derived from settings that can fail, built before anything is swapped.
 
@@ -105,7 +117,8 @@ class _Built:
         self.edges = tuple(self.predictor.edges) if self.predictor is not None else PREDICTOR_BUCKET_EDGES
         self.policy_name = settings.policy.name
         try:
-            self.policy = build_routing_policy(settings.policy, self.profile, num_endpoints, self.edges,
+            self.policy = build_routing_policy(_with_prefix_source(settings.policy, self.prefix.source),
+                                               self.profile, num_endpoints, self.edges,
                                                near_tie=settings.router.near_tie)
         except CheckpointConfigError as e:
             if not startup:
@@ -169,6 +182,11 @@ class Daemon:
         self._static: list[DiscoveredEndpoint] = self._static_endpoints(settings)
         self._discovered: list[DiscoveredEndpoint] = []
         self._watchers: dict[str, tuple[str, Any, asyncio.Task]] = {}
+        self._kv: Any = None
+        """The KV-event subscriber (:class:`routerd.daemon.kv_events.KVEventSubscriber`), made
+        the first time precise mode has an endpoint to read."""
+        self._kv_subs: dict[str, tuple[tuple, Any]] = {}
+        """Per endpoint name: (what it was subscribed with, its EngineBlockIndex)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._http_server: asyncio.AbstractServer | None = None
@@ -304,6 +322,9 @@ class Daemon:
             self.frontend.close()
         for name in list(self._watchers):
             await self._stop_watcher(name)
+        self._kv_subs.clear()
+        if self._kv is not None:
+            await self._kv.close()
         if self._bg:
             await asyncio.gather(*self._bg, return_exceptions=True)
         await self.model_lister.close()
@@ -311,15 +332,15 @@ class Daemon:
         self.router.close()
 
     # -- prefix ------------------------------------------------------------------
-    def prefix_blocks(self, prompt: PromptInput) -> Any:
+    def prefix_blocks(self, prompt: PromptInput, chat: bool = False) -> Any:
         """The request's :class:`~routerd.prefix.chain.PrefixBlocks` for the live policy, or None:
         ``prefix.mode`` off, no prompt, or a policy that keeps no prefix index (nothing is hashed
-        for ``round_robin`` and the other load-only policies). Observed in
-        ``phasewise_prefix_prompt_blocks``."""
+        for ``round_robin`` and the other load-only policies). ``chat``: ``prompt`` is a chat
+        request's rendered messages. Observed in ``phasewise_prefix_prompt_blocks``."""
         ident = self.prefix
         if prompt is None or not ident.enabled or not self.router.reads_prefix:
             return None
-        p = ident.blocks_for(prompt)
+        p = ident.blocks_for(prompt, chat)
         if p is not None:
             self.metrics.prefix_prompt_blocks.observe(p.num_blocks)
         return p
@@ -385,6 +406,7 @@ class Daemon:
              if (ep.discovered_models is not None or ep.models_pending) and ep.name not in listed])
         if self._loop is not None and not self._stopping:
             self._sync_watchers()
+            self._sync_kv_events()
             for e in merged:
                 if e.name in listed and known.get(e.name) != (e.url, frozenset(e.models)):
                     # New, moved, or its configured models changed: ask it what it serves.
@@ -398,6 +420,63 @@ class Daemon:
         for name, addr in wanted.items():
             if name not in self._watchers:
                 self._start_watcher(name, addr)
+
+    def _sync_kv_events(self) -> None:
+        """Precise mode: one KV-event subscription and engine index per present endpoint with a
+        publisher address; gone, moved or reconfigured ones are resubscribed with a fresh index
+        (an index is exact only from an empty cache or a batch numbered 0). Every endpoint's
+        view is pointed at its index (None outside precise mode: the approximate index answers)."""
+        from routerd.prefix.engine_index import EngineBlockIndex
+
+        cfg = self.settings.prefix
+        wanted: dict[str, tuple] = {}
+        if self.prefix.source == "precise" and not self._stopping:
+            ke = cfg.kv_events
+            wanted = {ep.name: (ep.kv_events, ke.topic, self.prefix.block_size, ke.max_blocks, ke.stale_after_s)
+                      for ep in self.router.endpoints if not ep.removed and ep.kv_events}
+        if wanted and self._kv is None:
+            from routerd.daemon.kv_events import KVEventSubscriber
+
+            self._kv = KVEventSubscriber()
+        for name, (key, _) in list(self._kv_subs.items()):
+            if wanted.get(name) != key:
+                del self._kv_subs[name]
+                self.metrics.engine_index(name, None)
+                self._background(self._kv_replace(name, None))
+        for name, key in wanted.items():
+            if name in self._kv_subs:
+                continue
+            addr, topic, bs, max_blocks, stale_s = key
+            idx = EngineBlockIndex(bs, max_blocks=max_blocks, stale_after_s=stale_s)
+            self._kv_subs[name] = (key, idx)
+            self.metrics.engine_index(name, idx)
+            if name in self._kv:
+                self._background(self._kv_replace(name, (addr, topic, idx)))  # the old one closes first
+            else:
+                self._kv_add(name, addr, topic, idx)
+        for ep in self.router.endpoints:
+            sub = self._kv_subs.get(ep.name)
+            ep.engine_index = sub[1] if sub is not None else None
+            ep.on_prefix_fallback = (None if sub is None else
+                                     lambda reason, _n=ep.name: self.metrics.count_prefix_fallback(_n, reason))
+
+    def _kv_add(self, name: str, address: str, topic: str, index: Any) -> None:
+        try:
+            self._kv.add(name, address, topic, index)
+        except (ValueError, RuntimeError) as e:
+            # Its index stays without events: stale from the start ("silent" once requests go
+            # there), so the approximate index answers for it; said once.
+            log.warning("%s; prefix matches for %s come from the approximate index", e, name)
+
+    async def _kv_replace(self, name: str, new: tuple | None) -> None:
+        """Unsubscribe ``name`` (awaited), then subscribe it again with ``new`` if given."""
+        await self._kv.remove(name)
+        if new is not None and not self._stopping and not self._kv.closed and self._kv_subs.get(name, (0, None))[1] is new[2]:
+            self._kv_add(name, *new)
+
+    def engine_index_stats(self) -> dict[str, Any]:
+        """Per subscribed endpoint its EngineBlockIndex (``phasewise_prefix_engine_*`` metrics)."""
+        return {name: idx for name, (_, idx) in self._kv_subs.items()}
 
     def _background(self, coro) -> None:
         # Keep a reference: the event loop holds only weak ones to tasks.

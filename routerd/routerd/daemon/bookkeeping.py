@@ -42,7 +42,7 @@ class Inflight:
     __slots__ = ("rid", "label", "prompt_tokens", "predicted_bucket", "predicted_output", "load_bin",
                  "exact", "generated", "first_token", "endpoint", "dispatched_at", "arrived_at", "group", "done",
                  "features", "exclude", "enqueued_at", "waiter", "error", "fallback", "blind", "model", "seq",
-                 "policy")
+                 "policy", "cached_tokens")
 
     def __init__(self, rid: int, label: Any, prompt_tokens: int, predicted_bucket: int | None,
                  predicted_output: float, arrived_at: float) -> None:
@@ -66,6 +66,10 @@ class Inflight:
         self.group: _DecodeGroup | None = None
         self.done = False
         self.blind = False
+        self.cached_tokens = 0
+        """Prompt tokens believed cached on its endpoint when it was dispatched (the engine's KV
+        events in precise mode, the policy's approximate index otherwise; < ``prompt_tokens``):
+        its prefill backlog there is the rest (:meth:`RequestBook.pending_prefill_work`)."""
         """The answer arrives whole (a non-streaming request): routerd never sees its first
         token, so while the instance counts it as running it is taken to be decoding
         (vLLM's prefill is short next to the decode; see :meth:`RequestBook.residents`)."""
@@ -179,8 +183,10 @@ class RequestBook:
         self.requests[r.rid] = r
         self._prefill[r.rid] = r
         self._n_blind += r.blind
-        self._prefill_prompt += r.prompt_tokens
-        self._prefill_prompt_sq += r.prompt_tokens * r.prompt_tokens
+        c = r.cached_tokens
+        u = r.prompt_tokens - c
+        self._prefill_prompt += u
+        self._prefill_prompt_sq += u * (c + u)
         tokens = r.prompt_tokens + r.generated
         self._prefill_blocks += _blocks(tokens, self.block_size)
         self._sum_tokens += tokens
@@ -201,8 +207,10 @@ class RequestBook:
         r.first_token = True
         del self._prefill[r.rid]
         self._n_blind -= r.blind
-        self._prefill_prompt -= r.prompt_tokens
-        self._prefill_prompt_sq -= r.prompt_tokens * r.prompt_tokens
+        c = r.cached_tokens
+        u = r.prompt_tokens - c
+        self._prefill_prompt -= u
+        self._prefill_prompt_sq -= u * (c + u)
         self._prefill_blocks -= _blocks(tokens, self.block_size)
         self._bins[r.load_bin] += 1
         g = self._groups.get(r.predicted_output)
@@ -259,8 +267,10 @@ class RequestBook:
         else:
             del self._prefill[r.rid]
             self._n_blind -= r.blind
-            self._prefill_prompt -= r.prompt_tokens
-            self._prefill_prompt_sq -= r.prompt_tokens * r.prompt_tokens
+            c = r.cached_tokens
+            u = r.prompt_tokens - c
+            self._prefill_prompt -= u
+            self._prefill_prompt_sq -= u * (c + u)
             self._prefill_blocks -= _blocks(r.prompt_tokens + r.generated, self.block_size)
         self._summary = self._residents = None
         return True
@@ -358,11 +368,12 @@ class RequestBook:
 
     def pending_prefill_work(self) -> tuple[int, int]:
         """``(tokens, attended)`` of the requests in prefill here, as
-        :func:`routerd.prefix.index.pending_prefill_work` counts them from :meth:`residents`: each
-        in-prefill resident's whole prompt ``p`` (gross: routerd does not know its cache hits),
-        ``p`` tokens and ``p * p`` attended. O(1) while no ``blind`` request waits for its first
-        token; otherwise the prefill requests are scanned (a blind one in a running slot counts as
-        decoding, :meth:`residents`), never the decoding ones."""
+        :func:`routerd.prefix.index.pending_prefill_work` defines them: per in-prefill request of
+        prompt ``p`` with ``c`` tokens believed cached at dispatch (:attr:`Inflight.cached_tokens`,
+        0 without a prefix), ``u = p - c`` tokens still to compute and ``u * (c + u)`` attended. With
+        every ``c`` 0 this is the helper's count from :meth:`residents` (whole prompts). O(1) while no
+        ``blind`` request waits for its first token; otherwise the prefill requests are scanned (a
+        blind one in a running slot counts as decoding, :meth:`residents`), never the decoding ones."""
         if not self._n_blind:
             return self._prefill_prompt, self._prefill_prompt_sq
         slots = self.num_running - (len(self.requests) - len(self._prefill))
@@ -372,9 +383,10 @@ class RequestBook:
                 slots -= 1
                 if r.blind:
                     continue
-            p = r.prompt_tokens
-            tokens += p
-            attended += p * p
+            c = r.cached_tokens
+            u = r.prompt_tokens - c
+            tokens += u
+            attended += u * (c + u)
         return tokens, attended
 
     def pending_prefill_tokens(self) -> int:

@@ -10,7 +10,7 @@ Latency buckets cover 1 ms to 10 min: TTFT and TPOT of a healthy instance sit in
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -157,6 +157,14 @@ class Metrics:
             "(the endpoint's KV events stale, cleared, malformed, or no tokenizer).", ["endpoint", "reason"],
             registry=r)
         self._prefix_fallback_children: dict[tuple[str, str], Counter] = {}
+        self.prefix_engine_blocks = Gauge(
+            "phasewise_prefix_engine_index_blocks",
+            "KV blocks the endpoint's engine reports cached in its KV events (precise mode's index, bounded "
+            "by prefix.kv_events.max_blocks).", ["endpoint"], registry=r)
+        self.prefix_engine_stale = Gauge(
+            "phasewise_prefix_engine_index_stale",
+            "1 while the endpoint's KV-event index is stale (a gap, a restart, garbage, silence): its prefix "
+            "matches come from the approximate index; 0 while it answers.", ["endpoint"], registry=r)
         self.fallback_children = {reason: self.fallbacks.labels(reason) for reason in FALLBACK_REASONS}
         self._bucket_children: dict[tuple[str, str], Counter] = {}
         self._code_children: dict[int, Counter] = {}
@@ -177,8 +185,21 @@ class Metrics:
             c = self._prefix_fallback_children[key] = self.prefix_fallbacks.labels(endpoint, reason)
         c.inc()
 
+    def engine_index(self, name: str, index: Any) -> None:
+        """Export endpoint ``name``'s KV-event index (read at each scrape); ``index`` None removes it."""
+        if index is None:
+            for metric in (self.prefix_engine_blocks, self.prefix_engine_stale):
+                try:
+                    metric.remove(name)
+                except KeyError:
+                    pass
+            return
+        self.prefix_engine_blocks.labels(name).set_function(lambda: float(index.size))
+        self.prefix_engine_stale.labels(name).set_function(lambda: float(index.check() is not None))
+
     def remove_endpoint(self, name: str) -> None:
         """Delete every series labelled with endpoint ``name``."""
+        self.engine_index(name, None)
         for metric in (self.decisions, self.in_flight, self.endpoint_ready, self.endpoint_state_stale,
                        self.ejections, self.endpoint_ejected, self.prefix_index_blocks):
             try:

@@ -17,22 +17,29 @@ prompt costs what ``max_prompt_tokens`` tokens cost. Keys start from root 0, as
 :func:`routerd.prefix.text.stored_block_keys` chains a vLLM ``BlockStored`` event without a
 parent, so precise mode's engine index and these blocks agree.
 
-Precise mode is not wired to the engines' KV events yet: :func:`build_prefix_identity` says so
-once and matches as approximate mode does (with the ``bytes`` tokenizer, on token blocks). The
-engine index plugs in here: :attr:`PrefixIdentity.source` becomes ``"precise"`` and the views
-answer ``engine_cached_blocks``.
+Precise mode (a tokenizer loaded, :mod:`routerd.prefix.tokenize`): prompts become blocks of
+the token ids the engine caches, typed :class:`EngineKeyed`, and each endpoint's view answers
+``engine_cached_blocks`` for them from its KV-event index (:mod:`routerd.prefix.engine_index`,
+fed by :mod:`routerd.daemon.kv_events`). What precise mode cannot key falls back to the
+policies' approximate index, said once in the log: no tokenizer (none configured, the
+``tokenizers`` package missing, a bad file), and chat requests with a model's tokenizer (the
+``tokenizers`` package cannot render the model's chat template, so their ids would not be
+vLLM's; with the emulator's ``bytes`` tokenizer both sides render chat with
+:func:`routerd.tokens.chat_prompt_text`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Literal, Protocol, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import numpy as np
 
 from routerd.errors import ConfigError
 from routerd.prefix.chain import PrefixBlocks
-from routerd.prefix.text import byte_token_array, text_prefix_blocks, token_prefix_blocks
+from routerd.prefix.text import text_prefix_blocks, token_prefix_blocks
+from routerd.prefix.tokenize import BYTES, Tokenizer, TokenizerUnavailable, load_tokenizer
 from routerd.tokens import BYTES_PER_TOKEN
 
 if TYPE_CHECKING:
@@ -46,28 +53,15 @@ PrefixSource = Literal["approximate", "precise"]
 PromptInput = str | Sequence[int] | np.ndarray | None
 
 
-class Tokenizer(Protocol):
-    """A prompt tokenizer for precise mode."""
-
-    name: str
-    max_chars_per_token: int
-    """Most characters one token covers: the text is cut to ``max_prompt_tokens`` times this many
-    characters before it is tokenized (bounding the cost of huge prompts)."""
-
-    def encode(self, text: str) -> Sequence[int] | np.ndarray:
-        """Token ids of ``text``."""
-        ...
+@dataclass(frozen=True, slots=True)
+class EngineKeyed(PrefixBlocks):
+    """A prompt's blocks keyed from the token ids the engine caches (:func:`token_prefix_blocks`),
+    so comparable with the keys an engine index derives from vLLM's ``BlockStored`` events. Only
+    these are matched against an endpoint's KV-event index; text-chunk identities never are."""
 
 
-class ByteTokenizer:
-    """The emulator's deterministic tokenizer (:func:`routerd.prefix.text.byte_token_array`):
-    4 UTF-8 bytes per token, so a token covers at most 4 characters."""
-
-    name = "bytes"
-    max_chars_per_token = BYTES_PER_TOKEN
-
-    def encode(self, text: str) -> np.ndarray:
-        return byte_token_array(text)
+def _engine_keyed(p: PrefixBlocks) -> EngineKeyed:
+    return EngineKeyed(p.extents, p.num_blocks, p.tail)
 
 
 class PrefixIdentity:
@@ -95,7 +89,12 @@ class PrefixIdentity:
         self.chunk_blocks = cfg.chunk_blocks
         self.tokenizer = tokenizer if cfg.mode == "precise" else None
         self.identity: Literal["text", "tokens"] = "tokens" if self.tokenizer is not None else "text"
-        self.source: PrefixSource | None = None if cfg.mode == "off" else "approximate"
+        self.source: PrefixSource | None = (None if cfg.mode == "off" else
+                                            "precise" if self.tokenizer is not None else "approximate")
+        self.chat_keyed = self.tokenizer is not None and self.tokenizer.name == BYTES
+        """Whether chat requests get engine keys: only with the emulator's tokenizer, whose chat
+        template (:func:`routerd.tokens.chat_prompt_text`) routerd renders too."""
+        self._said_chat = False
         self.max_tokens = cfg.max_prompt_tokens
         self.max_blocks = cfg.max_prompt_tokens // block_size
         self._text_blocks = self.max_blocks // self.chunk_blocks * self.chunk_blocks
@@ -107,29 +106,38 @@ class PrefixIdentity:
         """Whether prompts get a prefix at all (mode not ``off``)."""
         return self.mode != "off"
 
-    def blocks_for(self, prompt: PromptInput) -> PrefixBlocks | None:
-        """The prompt's leading KV blocks: text (``str``) or token ids (a list of ints or an
-        integer ndarray); None for mode ``off``, no prompt, or token ids outside 0 .. 2^32 - 1
+    def blocks_for(self, prompt: PromptInput, chat: bool = False) -> PrefixBlocks | None:
+        """The prompt's leading KV blocks: text (``str``; ``chat``: a chat request's rendered
+        messages) or token ids (a list of ints or an integer ndarray). Token blocks are
+        :class:`EngineKeyed`. None for mode ``off``, no prompt, or token ids outside 0 .. 2^32 - 1
         (vLLM refuses those itself; the request is routed on load). Never raises."""
         if self.mode == "off" or prompt is None:
             return None
         bs = self.block_size
         if isinstance(prompt, str):
             tok = self.tokenizer
+            if tok is not None and chat and not self.chat_keyed:
+                if not self._said_chat:
+                    self._said_chat = True
+                    log.warning("prefix.mode precise: chat requests are matched against the approximate index "
+                                "(the tokenizer %s cannot render the model's chat template, so their token ids "
+                                "would not be the engine's); completions use the KV events", tok.name)
+                tok = None
             if tok is None:
                 # Cut before encoding: each character is >= 1 byte, so this many characters
                 # hold at least the bytes hashed (all of them when the text is shorter).
                 return text_prefix_blocks(prompt[: self._text_bytes], bs, self._text_blocks,
                                           chunk_blocks=self.chunk_blocks)
             try:
-                ids = tok.encode(prompt[: self.max_tokens * tok.max_chars_per_token])
+                # vLLM adds special tokens (BOS) to completions prompts, not to chat (its template does).
+                ids = tok.encode(prompt, self._token_limit, add_special_tokens=not chat)
             except Exception as e:  # noqa: BLE001 - a tokenizer failure must not fail the request
                 log.warning("prefix tokenizer %s failed (%s: %s); this request has no prefix", tok.name,
                             type(e).__name__, e)
                 return None
             prompt = ids
         try:
-            return token_prefix_blocks(prompt[: self._token_limit], bs, self.max_blocks)
+            return _engine_keyed(token_prefix_blocks(prompt[: self._token_limit], bs, self.max_blocks))
         except (ValueError, TypeError):
             return None
 
@@ -150,20 +158,19 @@ def prefix_block_size(cfg: "PrefixConfig", profile_block_size: int, profile_name
 
 
 def resolve_tokenizer(cfg: "PrefixConfig", *, say: bool = True) -> Tokenizer | None:
-    """Precise mode's tokenizer from ``cfg.tokenizer``: ``bytes`` -> :class:`ByteTokenizer`;
-    ``""`` or a tokenizer file -> None (not wired yet: text chunks), said in the log if ``say``."""
+    """Precise mode's tokenizer from ``cfg.tokenizer`` (:func:`routerd.prefix.tokenize.load_tokenizer`:
+    ``bytes`` or a ``tokenizer.json``); None outside precise mode, or when none can be loaded: then
+    prompts are hashed as text chunks and matched as ``approximate`` mode does, said in the log if
+    ``say`` (why, in one line)."""
     if cfg.mode != "precise":
         return None
-    spec = cfg.tokenizer
-    if spec == "bytes":
-        return ByteTokenizer()
-    if say and spec:
-        log.warning("prefix.tokenizer %r: Hugging Face tokenizers are not wired into routerd yet; hashing prompt "
-                    "text in chunks as prefix.mode approximate does", spec)
-    elif say:
-        log.warning("prefix.mode precise without prefix.tokenizer: hashing prompt text in chunks as prefix.mode "
-                    "approximate does")
-    return None
+    try:
+        return load_tokenizer(cfg.tokenizer)
+    except TokenizerUnavailable as e:
+        if say:
+            log.warning("prefix.mode precise: %s; matching prompt text against the approximate index instead, "
+                        "as prefix.mode approximate does (counted in phasewise_prefix_fallbacks_total)", e)
+        return None
 
 
 def build_prefix_identity(cfg: "PrefixConfig", profile_block_size: int, profile_name: str, *,
@@ -175,13 +182,6 @@ def build_prefix_identity(cfg: "PrefixConfig", profile_block_size: int, profile_
         ConfigError: see :func:`prefix_block_size`.
     """
     bs = prefix_block_size(cfg, profile_block_size, profile_name)
-    if cfg.mode != "precise":
-        return PrefixIdentity(cfg, bs)
-    if say:
-        # The one place the engine index is to be wired (issue 14): until then, precise mode
-        # is approximate matching, said once.
-        log.warning("prefix.mode precise: routerd does not read the instances' KV events yet; each policy "
-                    "matches prompts against its own approximate index")
     return PrefixIdentity(cfg, bs, resolve_tokenizer(cfg, say=say))
 
 

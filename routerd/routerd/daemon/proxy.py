@@ -491,7 +491,7 @@ class Proxy:
         bucket = await d.predict(prompt_text, prompt_tokens, task, mt if type(mt) is int else None)
         router = d.router
         r = router.new_request(prompt_tokens, bucket, task, model=payload["model"],
-                               prefix=d.prefix_blocks(prefix_input))
+                               prefix=d.prefix_blocks(prefix_input, kind == "chat"))
         r.blind = not stream
         try:
             ep = await router.dispatch(r)

@@ -1042,8 +1042,25 @@ class Router:
             q.pop_head(key)
             self._idle_hold_since.pop(key, None)
             r.policy = policy
-            if reason is None and r.features.prefix is not None:
-                self._observe_prefix(prefix_ix, ep.index)
+            r.cached_tokens = 0
+            if r.features.prefix is not None:
+                idx = ep.engine_index
+                m = None
+                if idx is not None:
+                    # Blocks this request adds to the engine: its KV events should follow (the
+                    # index's "silent" rule); text identities are not counted (engine keys only).
+                    m = ep.engine_cached_blocks(r.features.prefix)
+                    if m is not None:
+                        idx.note_dispatch(r.features.prefix.num_blocks - m)
+                if reason is None:
+                    if m is not None:
+                        self._prefix_match.observe(m)  # precise: what the engine holds
+                    else:
+                        m = self._observe_prefix(prefix_ix, ep.index)
+                if m:
+                    # Its prefill backlog there is what the cache does not hold (the simulator's
+                    # views count it net of hits too); vLLM always computes the last token.
+                    r.cached_tokens = min(m * ep.block_size, r.prompt_tokens - 1)
             self._assign(r, ep, now, reason)
             if only is not _NO_KEY:
                 return
@@ -1052,14 +1069,16 @@ class Router:
         if q and self._tick is None:
             self._tick = asyncio.get_running_loop().call_later(self.action_interval_s, self._on_tick)
 
-    def _observe_prefix(self, indexes: tuple[PrefixIndex, ...], chosen: int) -> None:
+    def _observe_prefix(self, indexes: tuple[PrefixIndex, ...], chosen: int) -> int | None:
         """``phasewise_prefix_match_blocks``: the blocks the policy's index believed cached on the
-        chosen endpoint, as its insert at this decision found them (``PrefixIndex.last_insert``)."""
+        chosen endpoint, as its insert at this decision found them (``PrefixIndex.last_insert``);
+        returns them (None: no index recorded an insert there)."""
         for ix in indexes:
             li = ix.last_insert
             if li is not None and li[0] == chosen:
                 self._prefix_match.observe(li[1])
-                return
+                return li[1]
+        return None
 
     def _hold_allowed(self, cands: list[EndpointState], now: float, key: Any = None) -> bool:
         for ep in cands:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from routerd.daemon.bookkeeping import Inflight, RequestBook
+from routerd.daemon.prefix import EngineKeyed
 
 if TYPE_CHECKING:
     from routerd.profiles import HardwareProfile
@@ -64,6 +65,11 @@ class EndpointState(RequestBook):
         self.kv_events: str | None = None
         """ZMQ address of its vLLM KV-event publisher (``DiscoveredEndpoint.kv_events``, resolved),
         or None; read in ``prefix.mode: precise``."""
+        self.engine_index: Any = None
+        """Its :class:`~routerd.prefix.engine_index.EngineBlockIndex` (precise mode, fed by the
+        daemon's KV-event subscriber), or None."""
+        self.on_prefix_fallback: Any = None
+        """Called with a reason when its engine index cannot answer (``phasewise_prefix_fallbacks_total``)."""
         self.ready = ready
         self.removed = False
         """Gone from the endpoint source: no new requests, dropped once its requests finish."""
@@ -111,6 +117,20 @@ class EndpointState(RequestBook):
         if known or self.discovered_models is not None:
             return known
         return None
+
+    def engine_cached_blocks(self, prefix: Any) -> int | None:
+        """Leading blocks of ``prefix`` its engine caches, from its KV events
+        (``routerd.prefix.index.engine_cached_blocks`` asks, in precise mode), or None: no event
+        index, a prefix not keyed from token ids (``routerd.daemon.prefix.EngineKeyed``: text
+        chunks never match engine keys), or a stale index (counted with its reason). None makes
+        the policy use its approximate index for this endpoint."""
+        idx = self.engine_index
+        if idx is None or not isinstance(prefix, EngineKeyed):
+            return None
+        n = idx.cached_blocks(prefix)
+        if n is None and self.on_prefix_fallback is not None:
+            self.on_prefix_fallback(idx.stale_reason or "stale")
+        return n
 
     @property
     def kv_usage(self) -> float:
