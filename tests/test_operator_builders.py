@@ -764,7 +764,8 @@ def test_endpointslices_carry_the_kv_events_port_routerd_looks_for():
               "endpoints": [{"addresses": ["10.1.2.3"], "targetRef": {"name": "chat-engine-0"},
                              "conditions": {"ready": True}}]}
     (ep,) = endpoints_from_slices([slice_])
-    assert (ep.url, ep.state_address, ep.kv_events) == ("http://10.1.2.3:8000", "10.1.2.3:50051", "10.1.2.3:5557")
+    assert (ep.url, ep.state_address, ep.kv_events) == ("http://10.1.2.3:8000", "10.1.2.3:50051",
+                                                        "tcp://10.1.2.3:5557")
 
 
 @needs_emulator_kv_events
