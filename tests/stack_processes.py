@@ -10,7 +10,10 @@ started) after teardown: a leak check that needs no process tree.
 
 Options cover the production cases of issue 15: a different ``emulate`` flag set per
 emulator (``--model``), no sidecars, extra ``--endpoint`` specs (a :class:`HungServer`), and
-the endpoints in a YAML config file (``config``, for reloads) instead of flags.
+the endpoints in a YAML config file (``config``, for reloads) instead of flags; and those of
+issue 14: vLLM KV events from every emulator on a port of its own (``kv_events``), and one
+emulator killed and started again on the same ports (:meth:`Stack.kill_emulator`,
+:meth:`Stack.restart_emulator`).
 :func:`run_routerd` runs one ``python -m routerd`` command that is expected to exit (bad
 settings).
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import os
 import re
 import signal
@@ -137,19 +141,26 @@ class Stack:
             (``config_path``) holding these settings and ``endpoints`` (the emulators', then
             ``extra_endpoints``), instead of ``--endpoint`` flags, so that a test can rewrite it
             and reload.
+        kv_events: every emulator publishes vLLM KV events (``--kv-events-config``, ZMQ PUB
+            bound on ``tcp://*:PORT``, a port of its own, topic ``""``) and its endpoint entry
+            names the publisher (``kv_events: tcp://127.0.0.1:PORT``). Needs ``config`` (the
+            ``--endpoint`` flag has no field for it).
 
     Attributes (after :meth:`start`): ``emulators``, ``emulator_urls``, ``sidecars``,
-    ``sidecar_addresses``, ``routerd``, ``url`` (routerd's base URL), ``grpc_address``,
-    ``config_path`` (or None).
+    ``sidecar_addresses``, ``kv_event_ports`` (empty without ``kv_events``), ``routerd``,
+    ``url`` (routerd's base URL), ``grpc_address``, ``config_path`` (or None), ``retired``
+    (emulator processes replaced by :meth:`restart_emulator`, kept for their logs).
     """
 
     def __init__(self, logdir: Path, *, n: int = 3, emulator_flags: tuple[str, ...] = (),
                  per_emulator_flags: Sequence[Sequence[str]] = (), sidecars: bool = True,
                  extra_endpoints: Sequence[str] = (), config: dict[str, Any] | None = None,
                  routerd_flags: tuple[str, ...] = (), routerd_env: dict[str, str] | None = None,
-                 startup_timeout_s: float = 90.0) -> None:
+                 startup_timeout_s: float = 90.0, kv_events: bool = False) -> None:
         if per_emulator_flags and len(per_emulator_flags) != n:
             raise ValueError(f"per_emulator_flags: {len(per_emulator_flags)} entries for {n} emulators")
+        if kv_events and config is None:
+            raise ValueError("kv_events needs config: the --endpoint flag cannot name a KV-event publisher")
         self.logdir = logdir
         self.n = n
         self.emulator_flags = list(emulator_flags)
@@ -161,6 +172,9 @@ class Stack:
         self.routerd_flags = list(routerd_flags)
         self.routerd_env = dict(routerd_env or {})
         self.startup_timeout_s = startup_timeout_s
+        self.kv_events = kv_events
+        self.kv_event_ports: list[int] = []
+        self.retired: list[StackProcess] = []
         self.id = uuid.uuid4().hex
         self.env = _base_env(self.id)
         self.names = [f"emu{i}" for i in range(n)]
@@ -173,7 +187,7 @@ class Stack:
         self.grpc_address = ""
 
     def all_processes(self) -> list[StackProcess]:
-        return [*([self.routerd] if self.routerd else []), *self.sidecars, *self.emulators]
+        return [*([self.routerd] if self.routerd else []), *self.sidecars, *self.emulators, *self.retired]
 
     def start(self, attempts: int = 3) -> "Stack":
         """Start all processes at once and wait until each listens.
@@ -186,10 +200,12 @@ class Stack:
             try:
                 return self._start_once()
             except StackError as e:
-                if attempt == attempts - 1 or not ("cannot listen" in str(e) or "cannot bind" in str(e)):
+                taken = ("cannot listen" in str(e) or "cannot bind" in str(e)
+                         or "Address already in use" in str(e))  # the last: an emulator's KV-event port
+                if attempt == attempts - 1 or not taken:
                     raise
                 self.close()
-                self.emulators, self.sidecars, self.routerd = [], [], None
+                self.emulators, self.sidecars, self.routerd, self.retired = [], [], None, []
         raise AssertionError("unreachable")
 
     def endpoint_entries(self) -> list[dict[str, str]]:
@@ -201,6 +217,8 @@ class Stack:
             entry = {"name": name, "url": url}
             if self.with_sidecars:
                 entry["state_address"] = self.sidecar_addresses[i]
+            if self.kv_events:
+                entry["kv_events"] = f"tcp://127.0.0.1:{self.kv_event_ports[i]}"
             out.append(entry)
         return out + [parse_endpoint_flag(spec) for spec in self.extra_endpoints]
 
@@ -213,13 +231,13 @@ class Stack:
 
     def _start_once(self) -> "Stack":
         t = self.startup_timeout_s
-        ports = free_ports(2 * self.n)
-        self.emulator_urls = [f"http://127.0.0.1:{p}" for p in ports[:self.n]]
-        self.sidecar_addresses = [f"127.0.0.1:{p}" for p in ports[self.n:]] if self.with_sidecars else []
-        for i, (name, url) in enumerate(zip(self.names, self.emulator_urls)):
-            self.emulators.append(StackProcess(name, [
-                "emulate", "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--seed", str(i),
-                *self.emulator_flags, *self.per_emulator_flags[i]], self.logdir, self.env))
+        n = self.n
+        ports = free_ports((3 if self.kv_events else 2) * n)
+        self.emulator_urls = [f"http://127.0.0.1:{p}" for p in ports[:n]]
+        self.sidecar_addresses = [f"127.0.0.1:{p}" for p in ports[n:2 * n]] if self.with_sidecars else []
+        self.kv_event_ports = ports[2 * n:]
+        for i, name in enumerate(self.names):
+            self.emulators.append(StackProcess(name, self._emulator_args(i), self.logdir, self.env))
         for name, url, addr in zip(self.names, self.emulator_urls, self.sidecar_addresses):
             self.sidecars.append(StackProcess(f"sidecar-{name}", [
                 "sidecar", "--metrics-url", url + "/metrics", "--listen", addr, "--instance", name,
@@ -246,6 +264,42 @@ class Stack:
         self.url = f"http://{m.group(1)}:{m.group(2)}"
         self.grpc_address = f"{m.group(3)}:{m.group(4)}"
         return self
+
+    def _emulator_args(self, i: int) -> list[str]:
+        args = ["emulate", "--host", "127.0.0.1", "--port", self.emulator_urls[i].rsplit(":", 1)[1],
+                "--seed", str(i), *self.emulator_flags, *self.per_emulator_flags[i]]
+        if self.kv_events:
+            # vLLM binds its PUB socket only when the endpoint has a wildcard (else it connects).
+            args += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                       "endpoint": f"tcp://*:{self.kv_event_ports[i]}",
+                                                       "topic": ""})]
+        return args
+
+    def kill_emulator(self, i: int, timeout_s: float = 10.0) -> None:
+        """SIGKILL emulator ``i`` (no goodbye on any socket, as a crashed engine) and reap it."""
+        p = self.emulators[i]
+        p.signal(signal.SIGKILL)
+        p.wait(timeout_s)
+
+    def restart_emulator(self, i: int) -> StackProcess:
+        """Start emulator ``i`` again, with the same flags and ports (HTTP and KV events), after
+        :meth:`kill_emulator`; returns once it serves. Its log is ``logdir/emuI-rK.log``; the
+        dead process moves to ``retired``.
+
+        Raises:
+            StackError: it is still running, or the new one did not come up (its log).
+        """
+        old = self.emulators[i]
+        if old.alive():
+            raise StackError(f"{old.name} is still running (kill_emulator first)")
+        self.retired.append(old)
+        k = sum(1 for p in self.retired if p.name.split("-r")[0] == self.names[i])
+        new = StackProcess(f"{self.names[i]}-r{k}", self._emulator_args(i), self.logdir, self.env)
+        self.emulators[i] = new
+        got = new.wait_for(_EMULATOR_LINE, self.startup_timeout_s).group(1)
+        if got != self.emulator_urls[i]:
+            raise StackError(f"{new.name} serves on {got}, not {self.emulator_urls[i]}")
+        return new
 
     def close(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every process at once (routerd drains what is left); SIGKILL stragglers after ``timeout_s``."""
