@@ -153,8 +153,9 @@ class Metrics:
             "per-model policies; each bounded by prefix.index_capacity_blocks).", ["endpoint"], registry=r)
         self.prefix_fallbacks = Counter(
             "phasewise_prefix_fallbacks",
-            "Prefix matches of precise mode answered by the approximate index instead, by endpoint and reason "
-            "(the endpoint's KV events stale, cleared, malformed, or no tokenizer).", ["endpoint", "reason"],
+            "Precise mode: a policy's prefix queries for the endpoint (one per candidate per decision) answered "
+            "by its approximate index instead, because the endpoint's KV-event index is stale, by reason "
+            "(see routerd/routerd/prefix/engine_index.py STALE_REASONS).", ["endpoint", "reason"],
             registry=r)
         self._prefix_fallback_children: dict[tuple[str, str], Counter] = {}
         self.prefix_engine_blocks = Gauge(

@@ -1049,7 +1049,7 @@ class Router:
                 if idx is not None:
                     # Blocks this request adds to the engine: its KV events should follow (the
                     # index's "silent" rule); text identities are not counted (engine keys only).
-                    m = ep.engine_cached_blocks(r.features.prefix)
+                    m = ep.engine_match(r.features.prefix)
                     if m is not None:
                         idx.note_dispatch(r.features.prefix.num_blocks - m)
                 if reason is None:

@@ -132,6 +132,14 @@ class EndpointState(RequestBook):
             self.on_prefix_fallback(idx.stale_reason or "stale")
         return n
 
+    def engine_match(self, prefix: Any) -> int | None:
+        """:meth:`engine_cached_blocks` for routerd's own bookkeeping at dispatch: not counted as
+        a policy's fallback (``phasewise_prefix_fallbacks_total`` counts the policies' queries)."""
+        idx = self.engine_index
+        if idx is None or not isinstance(prefix, EngineKeyed):
+            return None
+        return idx.cached_blocks(prefix)
+
     @property
     def kv_usage(self) -> float:
         """Used / total KV blocks, 0..1."""
