@@ -310,6 +310,19 @@ def test_silence_after_a_dispatch_marks_stale_and_the_next_batch_in_sequence_res
     assert ix.stale_transitions["gap"] == 0  # it was already stale
 
 
+def test_an_engine_seen_down_is_cleared_and_stale_until_its_restart_numbers_from_0():
+    f = fresh()
+    f.send(stored([101, 102], None, A, B))
+    assert f.idx.cached_blocks(req(A, B)) == 2
+    f.idx.engine_down()  # routerd's connect to it failed
+    assert (f.idx.stale_reason, f.idx.size, f.idx.cached_blocks(req(A, B))) == ("engine_down", 0, None)
+    assert f.idx.stale_transitions["engine_down"] == 1
+    f.send(seq=0)  # the restarted process's first batch: its cache is empty, the index exact
+    assert f.idx.stale_reason is None and f.idx.cached_blocks(req(A, B)) == 0
+    f.send(stored([201], None, A))
+    assert f.idx.cached_blocks(req(A, B)) == 1
+
+
 def test_counters_cover_every_reason_cause_and_drop_from_the_start():
     ix = EngineBlockIndex()
     assert set(ix.stale_transitions) == set(STALE_REASONS)

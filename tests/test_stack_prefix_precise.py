@@ -335,9 +335,10 @@ def test_publisher_killed_and_restarted(stack, request):
 
     * every request is answered: the turn that routerd sends to the dead endpoint (its index still
       claims the blocks: nothing told it otherwise) fails to connect and is retried elsewhere;
-    * a dispatch that should have stored blocks, followed by no batch for ``stale_after_s``,
-      makes the dead endpoint's index ``silent`` (stale): its matches fall back to the
-      approximate index, counted per query;
+    * that refused connect marks the dead endpoint's index stale at once (``engine_down``, cleared:
+      its blocks may be gone with it): its matches fall back to the approximate index, counted
+      per query (without the connect failure, a dispatch that stored no blocks for
+      ``stale_after_s`` would have made it ``silent``);
     * the restarted emulator's cache is empty and its publisher numbers from 0: the first batch
       routerd receives from it (seq 0) clears the index and makes it exact again (blocks equal to
       the new process's, not the dead one's);
@@ -366,19 +367,20 @@ def test_publisher_killed_and_restarted(stack, request):
     assert moved != victim
     m1 = routerd_metrics(s)
     assert _delta(m1, m0, "phasewise_upstream_errors_total", endpoint=victim, kind="connect") == 1
-    wait_until(lambda: _engine(s)[0].get(victim), lambda v: v == 1, TIMEOUT_S,
-               f"{victim}'s index stale after {STALE_AFTER_S} s without events")
+    # The refused connect marks its index stale at once (engine_down: cleared, its blocks may be
+    # gone with it), without waiting for the silence rule.
+    assert _engine(s)[0].get(victim) == 1
     # Said by the consumer at its next idle check (every 1 s).
     wait_until(s.routerd.log_text, lambda t: f"{victim} (tcp://127.0.0.1:{s.kv_event_ports[vi]}): precise prefix "
-               "index stale (silent)" in t, TIMEOUT_S, f"routerd logging {victim}'s silence")
+               "index stale (engine_down)" in t, TIMEOUT_S, f"routerd logging {victim}'s index stale")
 
     m1 = routerd_metrics(s)
     for conv in convs[1:]:
         assert d.turn(conv) == conv.where[0]
     m2 = routerd_metrics(s)
     # llmd scores every candidate: one query of the dead endpoint's stale index per decision (it
-    # is a candidate again: its 0.2 s cooldown ran out while it went silent).
-    assert _delta(m2, m1, FALLBACKS, endpoint=victim, reason="silent") == len(convs) - 1
+    # is a candidate again: its 0.2 s cooldown ran out).
+    assert _delta(m2, m1, FALLBACKS, endpoint=victim, reason="engine_down") == len(convs) - 1
     assert _delta(m2, m1, FALLBACKS) == len(convs) - 1  # the others stay precise
 
     s.restart_emulator(vi)

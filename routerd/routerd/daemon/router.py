@@ -815,6 +815,8 @@ class Router:
         """An upstream connect failed: keep new requests off ``ep`` for a doubling cooldown."""
         ep.connect_failures += 1
         self._cands = None
+        if ep.engine_index is not None:
+            ep.engine_index.engine_down()
         base = self.failure_cooldown_s
         if base > 0:
             # The exponent is capped: 2.0 ** 1024 overflows a float (issue 15: every request then
