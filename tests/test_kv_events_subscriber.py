@@ -44,6 +44,7 @@ class Publisher:
         self.sock = self.ctx.socket(zmq.XPUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # queue everything: the tests count what arrives
+        self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, a reopened socket's too
         if port is None:
             self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         else:
@@ -199,10 +200,38 @@ def test_a_restarted_publisher_on_the_same_port_is_detected():
             await until(lambda: idx.restarts == 1, "the restart")
             assert idx.stale_reason is None
             assert idx.cached_blocks(req(A)) == 0 and idx.cached_blocks(req(C)) == 1
-            assert idx.recoveries["fresh_start"] == 1  # the first start; the restart found it answering
+            # The socket's monitor saw the connection close: stale and cleared at once
+            # (disconnected), then the new process's batch 0 made it exact again.
+            assert idx.stale_transitions["disconnected"] == 1
+            assert idx.recoveries["fresh_start"] == 2
         finally:
             await sub.close()
             pub.close()
+
+    run(main)
+
+
+def test_a_message_over_the_size_limit_reconnects_and_a_batch_over_the_batch_limit_is_skipped():
+    async def main():
+        pub, sub, idx = Publisher(), KVEventSubscriber(max_message_bytes=64 * 1024, max_batch_bytes=8 * 1024), index()
+        try:
+            await subscribed(sub, pub, "e0", idx)
+            pub.send(stored([1], None, A))  # seq 0
+            await until(lambda: idx.batches_applied == 1, "the first batch")
+            pub.raw([b"", (1).to_bytes(8, "big"), b"\x00" * 10_000])  # over the batch limit: skipped
+            await until(lambda: idx.batches_malformed == 1, "the large batch counted as malformed")
+            assert idx.stale_reason == "malformed" and sub.stats("e0").messages == 2
+            pub.raw([b"", (2).to_bytes(8, "big"), b"\x00" * 100_000])  # over MAXMSGSIZE: libzmq drops us
+            await until(lambda: sub.stats("e0").reopened == 1, "the dropped connection noticed, the socket reopened")
+            assert idx.stale_reason == "disconnected" and idx.size == 0  # stale and cleared
+            await pub.wait_for(b"\x01")  # the new socket subscribed
+            pub.send(AllBlocksCleared(), stored([5], None, B), seq=3)
+            await until(lambda: idx.stale_reason is None, "the index exact again after the clear")
+            assert idx.cached_blocks(req(B)) == 1 and idx.cached_blocks(req(A)) == 0
+        finally:
+            await sub.close()
+            pub.close()
+        assert sub.open_sockets() == 0
 
     run(main)
 

@@ -25,7 +25,9 @@ Robustness, as a production router needs it:
   routing, proxying and health checks run between bursts; ``RCVHWM`` bounds the messages queued in the
   socket (beyond it ZMQ drops at the publisher, which the index sees as a gap), and
   ``MAXMSGSIZE`` bounds one message (a larger one drops the connection; ZMQ reconnects);
-* **a dead or restarted publisher**: ZMQ reconnects by itself (every 100 ms, backing off to
+* **a dead or restarted publisher**: the socket's monitor sees the connection close, and the
+  index is cleared and stale at once (``disconnected``) until the publisher numbers from 0,
+  clears or settles; ZMQ reconnects by itself (every 100 ms, backing off to
   ``reconnect_ivl_max_ms``; ZMTP heartbeats every 5 s notice a peer gone without a goodbye); a restarted vLLM numbers from 0 again, which the index detects;
   silence is checked every ``check_interval_s`` even when nothing arrives (the socket's receive
   timeout), so its ``silent`` transition is logged without a request asking;
@@ -47,6 +49,8 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from zmq.utils.monitor import parse_monitor_message
+
 from routerd.prefix.engine_index import EngineBlockIndex
 from routerd.prefix.kv_wire import KVEventError, decode_batch, parse_frames
 
@@ -65,6 +69,8 @@ class EndpointStats:
     """Messages that could not be decoded (bad frames or payload)."""
     errors: int = 0
     """Messages whose application failed unexpectedly (a bug; logged with its traceback once)."""
+    reopened: int = 0
+    """Sockets opened again after the publisher's connection closed (:meth:`KVEventSubscriber._watch`)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -79,6 +85,8 @@ class _Endpoint:
     task: asyncio.Task | None = None
     last_reason: str | None = "no_events"
     logged: set[str] = field(default_factory=set)
+    monitor: zmq.asyncio.Socket | None = None
+    watch: asyncio.Task | None = None
 
 
 class KVEventSubscriber:
@@ -91,9 +99,12 @@ class KVEventSubscriber:
         burst_s: seconds of work per wake-up after which the consumer yields even before
             ``max_per_wake`` messages (checked after each message).
         check_interval_s: how often (s) an idle endpoint's index checks its ``silent`` rule.
-        max_message_bytes: largest message accepted (bytes); a larger one closes the connection
-            (ZMQ ``MAXMSGSIZE``; ZMQ reconnects). A vLLM batch carries the token ids of the blocks
-            cached in one step: a few MB at most for long prompts.
+        max_message_bytes: largest message ZMQ receives (bytes, ``MAXMSGSIZE``); libzmq drops the
+            connection on a larger one and does not reconnect by itself: the monitor
+            (:meth:`_watch`) opens the socket again.
+        max_batch_bytes: largest batch decoded (bytes); a larger one is counted as malformed
+            (the index is stale) and skipped. A vLLM batch carries the token ids of the blocks
+            cached in one scheduler step: tens of KB.
         reconnect_ivl_max_ms: most milliseconds between reconnection attempts (ZMQ backs off
             from 100 ms up to this).
         context: a ``zmq.asyncio.Context`` to use (not terminated by :meth:`close`); None: the
@@ -111,12 +122,14 @@ class KVEventSubscriber:
         burst_s: float = 0.002,
         check_interval_s: float = 1.0,
         max_message_bytes: int = 64 * 1024 * 1024,
+        max_batch_bytes: int = 4 * 1024 * 1024,
         reconnect_ivl_max_ms: int = 5_000,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         for name, v in (("rcvhwm", rcvhwm), ("max_per_wake", max_per_wake), ("burst_s", burst_s),
                         ("check_interval_s", check_interval_s),
-                        ("max_message_bytes", max_message_bytes), ("reconnect_ivl_max_ms", reconnect_ivl_max_ms)):
+                        ("max_message_bytes", max_message_bytes), ("max_batch_bytes", max_batch_bytes),
+                        ("reconnect_ivl_max_ms", reconnect_ivl_max_ms)):
             if not v > 0:
                 raise ValueError(f"KVEventSubscriber: {name} must be > 0, got {v!r}")
         self.rcvhwm = rcvhwm
@@ -124,6 +137,7 @@ class KVEventSubscriber:
         self.burst_s = burst_s
         self.check_interval_s = check_interval_s
         self.max_message_bytes = max_message_bytes
+        self.max_batch_bytes = max_batch_bytes
         self.reconnect_ivl_max_ms = reconnect_ivl_max_ms
         self._own_ctx = context is None
         self._ctx = zmq.asyncio.Context() if context is None else context
@@ -150,6 +164,15 @@ class KVEventSubscriber:
         loop = asyncio.get_running_loop()
         if name in self._eps:
             raise ValueError(f"kv events: endpoint {name!r} is already subscribed (remove it first)")
+        sock = self._open(name, address, topic)
+        ep = _Endpoint(name, address, topic, index, sock, zmq.Socket.shadow(sock.underlying))
+        ep.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._eps[name] = ep
+        ep.task = loop.create_task(self._consume(ep), name=f"kv-events:{name}")
+        ep.watch = loop.create_task(self._watch(ep), name=f"kv-events-monitor:{name}")
+        log.debug("kv events: %s subscribed to %s (topic %r)", name, address, topic)
+
+    def _open(self, name: str, address: str, topic: str) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(zmq.SUB)
         self._made.add(sock)
         try:
@@ -168,10 +191,46 @@ class KVEventSubscriber:
         except (zmq.ZMQError, TypeError, ValueError) as e:
             sock.close(linger=0)
             raise ValueError(f"kv events: endpoint {name!r}: cannot connect to {address!r} ({e})") from None
-        ep = _Endpoint(name, address, topic, index, sock, zmq.Socket.shadow(sock.underlying))
-        self._eps[name] = ep
-        ep.task = loop.create_task(self._consume(ep), name=f"kv-events:{name}")
-        log.debug("kv events: %s subscribed to %s (topic %r)", name, address, topic)
+        return sock
+
+    async def _watch(self, ep: _Endpoint) -> None:
+        """The connection's own events: a publisher that disconnected (an engine that died or
+        restarted, or libzmq dropping a message over ``max_message_bytes``, after which it does not
+        reconnect by itself) makes the index stale and cleared at once (``disconnected``: what it
+        held may be gone, and batches sent meanwhile are lost), and the socket is opened again."""
+        mon = ep.monitor
+        try:
+            while True:
+                msg = await mon.recv_multipart()
+                event = parse_monitor_message(msg)["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    ep.index.engine_down("disconnected")
+                    self._note(ep, detail="the publisher's connection closed")
+                    self._reopen(ep)
+                    return
+        except (zmq.ZMQError, asyncio.CancelledError):
+            return
+        finally:
+            mon.close(linger=0)
+
+    def _reopen(self, ep: _Endpoint) -> None:
+        """A fresh socket for ``ep`` (same address, topic, index and stats), from :meth:`_watch`."""
+        if self._closed or self._eps.get(ep.name) is not ep:
+            return
+        old_task = ep.task
+        if old_task is not None:
+            old_task.cancel()  # its finally closes the old socket
+        try:
+            sock = self._open(ep.name, ep.address, ep.topic)
+        except ValueError as e:
+            log.warning("%s", e)
+            return
+        loop = asyncio.get_running_loop()
+        ep.sock, ep.shadow = sock, zmq.Socket.shadow(sock.underlying)
+        ep.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        ep.stats.reopened += 1
+        ep.task = loop.create_task(self._consume(ep), name=f"kv-events:{ep.name}")
+        ep.watch = loop.create_task(self._watch(ep), name=f"kv-events-monitor:{ep.name}")
 
     async def remove(self, name: str) -> bool:
         """Stop consuming ``name``'s events and close its socket; False if it was not subscribed."""
@@ -220,11 +279,13 @@ class KVEventSubscriber:
     # --- consuming ----------------------------------------------------------------------------------
 
     async def _stop(self, ep: _Endpoint) -> None:
-        task = ep.task
-        if task is not None:
+        tasks = [t for t in (ep.task, ep.watch) if t is not None]
+        for task in tasks:
             task.cancel()
-            # The consumer's CancelledError comes back as a result; our own cancellation propagates.
-            await asyncio.gather(task, return_exceptions=True)
+        # The consumers' CancelledError comes back as a result; our own cancellation propagates.
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if ep.monitor is not None:
+            ep.monitor.close(linger=0)
         ep.sock.close(linger=0)
         log.debug("kv events: %s unsubscribed from %s", ep.name, ep.address)
 
@@ -262,6 +323,11 @@ class KVEventSubscriber:
         seq: int | None = None
         try:
             _topic, seq, payload = parse_frames(parts)
+            if len(payload) > self.max_batch_bytes:
+                # Decoding and keying run on routerd's event loop: a batch this large would stall
+                # every request for seconds (2.2 s for 13 MB). vLLM's batches hold one scheduler
+                # step's blocks (max_num_batched_tokens / block_size, a few hundred): tens of KB.
+                raise KVEventError(f"a batch of {len(payload)} bytes, over the {self.max_batch_bytes}-byte limit")
             batch = decode_batch(payload)
         except KVEventError as e:
             ep.stats.malformed += 1

@@ -107,14 +107,14 @@ __all__ = ["DROP_CAUSES", "EngineBlockIndex", "RECOVERY_CAUSES", "STALE_REASONS"
 
 #: Why the index may answer None, in the order of the table in the module docstring.
 STALE_REASONS: tuple[str, ...] = ("no_events", "late_join", "gap", "restart", "malformed", "unkeyed", "silent",
-                                  "engine_down")
+                                  "engine_down", "disconnected")
 #: How it becomes exact (or good enough) again.
 RECOVERY_CAUSES: tuple[str, ...] = ("fresh_start", "cleared", "settled", "resumed")
 #: Why stored blocks were not (or no longer) indexed.
 DROP_CAUSES: tuple[str, ...] = ("unknown_parent", "block_size", "token_count", "token_range", "medium", "group",
                                 "bound")
 
-_SETTLEABLE = frozenset(("late_join", "gap", "restart", "malformed", "unkeyed", "engine_down"))
+_SETTLEABLE = frozenset(("late_join", "gap", "restart", "malformed", "unkeyed", "engine_down", "disconnected"))
 _MISSING = -1  # our keys are unsigned 64-bit: never negative
 
 
@@ -360,14 +360,15 @@ class EngineBlockIndex:
         self._lose("malformed", clear=True)
         self._silent = False
 
-    def engine_down(self) -> None:
-        """The engine refused a connection (the router saw it down): whatever it cached may be
-        gone with it (a restart starts empty), so the index is cleared and stale (``engine_down``)
-        until the publisher numbers from 0 again, clears, or settles. Without this, a dead
-        engine's blocks keep winning prefix scores until the ``silent`` rule notices."""
+    def engine_down(self, reason: str = "engine_down") -> None:
+        """The engine refused a connection (``engine_down``: the router saw it down) or its
+        publisher's connection closed (``disconnected``): whatever it cached may be gone with it
+        (a restart starts empty) and batches may be lost, so the index is cleared and stale until
+        the publisher numbers from 0 again, clears, or settles. Without this, a dead engine's
+        blocks keep winning prefix scores until the ``silent`` rule notices."""
         self._awaiting_since = None
         self._silent = False
-        self._lose("engine_down", clear=True)
+        self._lose(reason, clear=True)
 
     # --- internals ----------------------------------------------------------------------------
 
