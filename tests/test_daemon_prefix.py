@@ -207,6 +207,15 @@ def test_precise_mode_with_a_model_tokenizer_keys_completions_not_chat(caplog, t
         caplog.records[0].getMessage()
 
 
+def test_an_unquoted_yaml_off_is_mode_off(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("prefix: {mode: off}\n")  # YAML 1.1: off is false
+    assert load_settings(f, environ={}).prefix.mode == "off"
+    assert PrefixConfig(mode=False).mode == "off"
+    with pytest.raises(ValueError):
+        PrefixConfig(mode=True)
+
+
 def test_what_each_request_form_hashes():
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     # "system: be brief\nuser: hi" is 25 bytes: 7 tokens at 4 bytes each, rounded up.

@@ -70,6 +70,22 @@ def test_a_word_level_file_gives_the_ids_worked_out_by_hand(tmp_path):
     assert t.name.endswith("tokenizer.json")
 
 
+def test_a_files_own_padding_and_truncation_are_not_applied(tmp_path):
+    # Sentence-embedding tokenizer.json files pad and cut to a fixed length; vLLM's prompt ids
+    # have neither, so routerd's must not either.
+    vocab = {"[UNK]": 0, "[PAD]": 9, "hello": 2, "world": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.enable_padding(length=8, pad_id=9, pad_token="[PAD]")
+    tok.enable_truncation(max_length=3)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    assert Tokenizer.from_file(str(path)).encode("hello world").ids == [2, 3, 9, 9, 9, 9, 9, 9]  # as saved
+    t = load_tokenizer(str(path))
+    assert t.encode("hello world").tolist() == [2, 3]
+    assert t.encode("hello world " * 4).tolist() == [2, 3] * 4
+
+
 def test_a_model_folder_holding_tokenizer_json_loads(tmp_path):
     _word_level(tmp_path)
     assert load_tokenizer(str(tmp_path)).encode("world").tolist() == [1, 3]

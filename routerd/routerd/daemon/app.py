@@ -99,6 +99,10 @@ def _with_prefix_source(cfg: PolicyConfig, source: str | None) -> PolicyConfig:
     return cfg.model_copy(update={"params": {**cfg.params, "prefix_source": source}})
 
 
+#: Prompt characters from which a model tokenizer runs in a worker thread (~1 ms of encoding).
+_THREAD_CHARS = 16_384
+
+
 class _Built:
     """Everything derived from settings that can fail, built before anything is swapped.
 
@@ -187,6 +191,8 @@ class Daemon:
         the first time precise mode has an endpoint to read."""
         self._kv_subs: dict[str, tuple[tuple, Any]] = {}
         """Per endpoint name: (what it was subscribed with, its EngineBlockIndex)."""
+        self._kv_dup_warned: set[tuple] = set()
+        self._fallback_said: set[tuple[str, str]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._http_server: asyncio.AbstractServer | None = None
@@ -345,6 +351,20 @@ class Daemon:
             self.metrics.prefix_prompt_blocks.observe(p.num_blocks)
         return p
 
+    async def prefix_blocks_async(self, prompt: PromptInput, chat: bool = False) -> Any:
+        """:meth:`prefix_blocks`, tokenizing a long prompt with a model's tokenizer in a worker
+        thread (the ``tokenizers`` package releases the GIL while it encodes): a 1 MB prompt takes
+        about a second to tokenize, which on the event loop stalled every other request."""
+        ident = self.prefix
+        tok = ident.tokenizer
+        if (tok is None or tok.name == "bytes" or not isinstance(prompt, str) or len(prompt) < _THREAD_CHARS
+                or (chat and not ident.chat_keyed) or not self.router.reads_prefix):
+            return self.prefix_blocks(prompt, chat)
+        p = await asyncio.to_thread(ident.blocks_for, prompt, chat)
+        if p is not None:
+            self.metrics.prefix_prompt_blocks.observe(p.num_blocks)
+        return p
+
     def _log_prefix(self) -> None:
         ident, cfg = self.prefix, self.settings.prefix
         if not ident.enabled:
@@ -354,6 +374,9 @@ class Daemon:
                 f"text chunks of {ident.chunk_blocks * ident.block_size * 4} bytes")
         reads = "" if self.router.reads_prefix else (f"; policy {self.router.policy_name} keeps no prefix index, "
                                                      "so no prompt is hashed")
+        if ident.max_blocks == 0:
+            log.warning("prefix.max_prompt_tokens %d is under one block of %d tokens: no prompt has a prefix",
+                        cfg.max_prompt_tokens, ident.block_size)
         log.info("prefix: mode %s, %s, block size %d, at most %d blocks per prompt, index bound %d blocks per "
                  "endpoint%s", cfg.mode, what, ident.block_size, ident.max_blocks, cfg.index_capacity_blocks, reads)
 
@@ -434,6 +457,19 @@ class Daemon:
             ke = cfg.kv_events
             wanted = {ep.name: (ep.kv_events, ke.topic, self.prefix.block_size, ke.max_blocks, ke.stale_after_s)
                       for ep in self.router.endpoints if not ep.removed and ep.kv_events}
+            by_addr: dict[str, list[str]] = {}
+            for name, key in wanted.items():
+                by_addr.setdefault(key[0], []).append(name)
+            for addr, names in by_addr.items():
+                if len(names) > 1:
+                    # Each would believe the other's cache: none of them reads it.
+                    for name in names:
+                        del wanted[name]
+                    if (addr, tuple(names)) not in self._kv_dup_warned:
+                        self._kv_dup_warned.add((addr, tuple(names)))
+                        log.warning("prefix.mode precise: endpoints %s all name the KV-event publisher %s; none of "
+                                    "them reads it (their prefix matches come from the approximate index): give "
+                                    "each endpoint its own kv_events address", ", ".join(sorted(names)), addr)
         if wanted and self._kv is None:
             from routerd.daemon.kv_events import KVEventSubscriber
 
@@ -457,8 +493,19 @@ class Daemon:
         for ep in self.router.endpoints:
             sub = self._kv_subs.get(ep.name)
             ep.engine_index = sub[1] if sub is not None else None
-            ep.on_prefix_fallback = (None if sub is None else
-                                     lambda reason, _n=ep.name: self.metrics.count_prefix_fallback(_n, reason))
+            ep.on_prefix_fallback = None if sub is None else (lambda reason, _n=ep.name: self._prefix_fallback(_n, reason))
+
+    def _prefix_fallback(self, name: str, reason: str) -> None:
+        """A policy's precise query for ``name`` answered by its approximate index: counted, and
+        said once per endpoint and reason (``no_events`` above all, which no event announces: a
+        wrong address, vLLM without ``--kv-events-config``)."""
+        self.metrics.count_prefix_fallback(name, reason)
+        if (name, reason) not in self._fallback_said:
+            self._fallback_said.add((name, reason))
+            sub = self._kv_subs.get(name)
+            log.warning("prefix.mode precise: %s's KV-event index (%s) cannot answer (%s): its prefix matches come "
+                        "from the approximate index (phasewise_prefix_fallbacks_total)", name,
+                        sub[0][0] if sub is not None else "?", reason)
 
     def _kv_add(self, name: str, address: str, topic: str, index: Any) -> None:
         try:

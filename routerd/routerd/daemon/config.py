@@ -295,8 +295,9 @@ class PrefixConfig(_Model):
     """``off``: no prefix, the cache-aware policies route on load only. ``approximate``: the
     prompt text is hashed in chunks and each policy remembers what it sent where (llm-d's
     approx-prefix-cache-producer, SGLang's tree): no engine feedback. ``precise``: tokens, matched
-    against the engines' KV events (``kv_events``); until routerd consumes them it matches as
-    ``approximate`` (said once in the log)."""
+    against the engines' KV events (``kv_events``), with ``tokenizer``; without a usable tokenizer it
+    matches as ``approximate`` (said once in the log). An unquoted YAML ``off`` (YAML 1.1 reads it
+    as false) is taken as ``off``."""
     block_size: int | None = Field(default=None, ge=1, le=4096)
     """KV block size (tokens): vLLM's ``--block-size``. None: the hardware profile's (16 in every
     bundled profile, vLLM's default); a value must equal it, since the policies count cached
@@ -326,6 +327,12 @@ class PrefixConfig(_Model):
     Face ``tokenizer.json`` (``pip install 'phasewise[tokenizer]'``)."""
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     """Where precise mode reads each instance's KV events from."""
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _mode(cls, v: Any) -> Any:
+        # `mode: off` unquoted is YAML 1.1's boolean false (PyYAML, Helm and kubectl read it so).
+        return "off" if v is False else v
 
     @field_validator("tokenizer")
     @classmethod

@@ -169,7 +169,7 @@ def resolve_tokenizer(cfg: "PrefixConfig", *, say: bool = True) -> Tokenizer | N
     except TokenizerUnavailable as e:
         if say:
             log.warning("prefix.mode precise: %s; matching prompt text against the approximate index instead, "
-                        "as prefix.mode approximate does (counted in phasewise_prefix_fallbacks_total)", e)
+                        "as prefix.mode approximate does", e)
         return None
 
 

@@ -490,8 +490,8 @@ class Proxy:
         mt = payload.get("max_tokens", payload.get("max_completion_tokens"))
         bucket = await d.predict(prompt_text, prompt_tokens, task, mt if type(mt) is int else None)
         router = d.router
-        r = router.new_request(prompt_tokens, bucket, task, model=payload["model"],
-                               prefix=d.prefix_blocks(prefix_input, kind == "chat"))
+        prefix = await d.prefix_blocks_async(prefix_input, kind == "chat")
+        r = router.new_request(prompt_tokens, bucket, task, model=payload["model"], prefix=prefix)
         r.blind = not stream
         try:
             ep = await router.dispatch(r)

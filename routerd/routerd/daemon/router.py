@@ -334,7 +334,9 @@ class Router:
         endpoint (blocks); None: the policies' own capacities (:meth:`configure_prefix`)."""
         self.prefix_source = "approximate"
         """Label of ``phasewise_prefix_match_blocks`` (``PrefixIdentity.source``)."""
-        self._prefix_match = metrics.prefix_match_blocks.labels(self.prefix_source)
+        self._prefix_match = metrics.prefix_match_blocks.labels("approximate")
+        """The policies' own indexes' beliefs; :attr:`_prefix_match_precise`: an engine's KV events."""
+        self._prefix_match_precise = metrics.prefix_match_blocks.labels("precise")
         self._indexes: weakref.WeakKeyDictionary[Any, tuple[PrefixIndex, ...]] = weakref.WeakKeyDictionary()
         """Per live policy (the one, and each model's): its prefix indexes, found once."""
         # Gauges read at scrape time from the bookkeeping itself: nothing to update per
@@ -398,7 +400,6 @@ class Router:
         what exceeds it now) and to policies built later; ``source`` labels the match metric."""
         self.prefix_capacity_blocks = capacity_blocks
         self.prefix_source = source
-        self._prefix_match = self.metrics.prefix_match_blocks.labels(source)
         for ix in self._live_indexes():
             ix.limit_capacity(capacity_blocks)
 
@@ -1044,19 +1045,21 @@ class Router:
             q.pop_head(key)
             self._idle_hold_since.pop(key, None)
             r.policy = policy
-            r.cached_tokens = 0
+            r.cached_tokens = r.uncached_blocks = 0
             if r.features.prefix is not None:
                 idx = ep.engine_index
                 m = None
                 if idx is not None:
-                    # Blocks this request adds to the engine: its KV events should follow (the
-                    # index's "silent" rule); text identities are not counted (engine keys only).
+                    # Blocks this request adds to the engine: its KV events should follow once it
+                    # is prefilled (the index's "silent" rule, started at its first token, so an
+                    # engine that refuses it does not look silent); engine keys only.
                     m = ep.engine_match(r.features.prefix)
                     if m is not None:
-                        idx.note_dispatch(r.features.prefix.num_blocks - m)
+                        r.uncached_blocks = r.features.prefix.num_blocks - m
+                        r.kv_batches = idx.batches_applied
                 if reason is None:
                     if m is not None:
-                        self._prefix_match.observe(m)  # precise: what the engine holds
+                        self._prefix_match_precise.observe(m)  # what the engine holds
                     else:
                         m = self._observe_prefix(prefix_ix, ep.index)
                 if m:

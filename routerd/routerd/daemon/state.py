@@ -132,6 +132,17 @@ class EndpointState(RequestBook):
             self.on_prefix_fallback(idx.stale_reason or "stale")
         return n
 
+    def on_first_token(self, r: Inflight) -> None:
+        """:meth:`RequestBook.on_first_token`, and in precise mode: ``r``'s new blocks are now
+        computed, so their KV events are due; if no batch at all came since its dispatch, the
+        index's ``silent`` clock starts (a request the engine refused never gets here, so it
+        does not make a live publisher look silent)."""
+        idx = self.engine_index
+        if (not r.first_token and not r.done and r.uncached_blocks > 0 and idx is not None
+                and idx.batches_applied == r.kv_batches):
+            idx.note_dispatch(r.uncached_blocks)
+        super().on_first_token(r)
+
     def engine_match(self, prefix: Any) -> int | None:
         """:meth:`engine_cached_blocks` for routerd's own bookkeeping at dispatch: not counted as
         a policy's fallback (``phasewise_prefix_fallbacks_total`` counts the policies' queries)."""

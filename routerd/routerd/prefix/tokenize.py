@@ -136,7 +136,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec == BYTES:
         return ByteTokenizer()
     if not spec:
-        raise TokenizerUnavailable("no tokenizer configured (give 'bytes' or the path of a tokenizer.json)")
+        raise TokenizerUnavailable("no tokenizer configured (set prefix.tokenizer to 'bytes' or the path of a "
+                                   "tokenizer.json)")
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
@@ -162,4 +163,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
     except Exception as e:  # tokenizers raises plain Exception for a file it cannot parse
         why = _first_line(e)
         raise TokenizerUnavailable(f"tokenizer file {path} is not a Hugging Face tokenizer.json ({why})") from None
+    # A tokenizer.json may carry padding and truncation settings (sentence-embedding models pad
+    # and cut to 128): vLLM's tokenizer applies neither to a prompt, so neither is kept here.
+    inner.no_padding()
+    inner.no_truncation()
     return HFTokenizer(inner, str(path))
