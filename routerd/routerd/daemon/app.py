@@ -351,16 +351,20 @@ class Daemon:
             self.metrics.prefix_prompt_blocks.observe(p.num_blocks)
         return p
 
+    def prefix_in_thread(self, prompt: PromptInput, chat: bool = False) -> bool:
+        """Whether :meth:`prefix_blocks_async` would tokenize ``prompt`` in a worker thread."""
+        ident = self.prefix
+        tok = ident.tokenizer
+        return not (tok is None or tok.name == "bytes" or not isinstance(prompt, str) or len(prompt) < _THREAD_CHARS
+                    or (chat and not ident.chat_keyed) or not self.router.reads_prefix)
+
     async def prefix_blocks_async(self, prompt: PromptInput, chat: bool = False) -> Any:
         """:meth:`prefix_blocks`, tokenizing a long prompt with a model's tokenizer in a worker
         thread (the ``tokenizers`` package releases the GIL while it encodes): a 1 MB prompt takes
         about a second to tokenize, which on the event loop stalled every other request."""
-        ident = self.prefix
-        tok = ident.tokenizer
-        if (tok is None or tok.name == "bytes" or not isinstance(prompt, str) or len(prompt) < _THREAD_CHARS
-                or (chat and not ident.chat_keyed) or not self.router.reads_prefix):
+        if not self.prefix_in_thread(prompt, chat):
             return self.prefix_blocks(prompt, chat)
-        p = await asyncio.to_thread(ident.blocks_for, prompt, chat)
+        p = await asyncio.to_thread(self.prefix.blocks_for, prompt, chat)
         if p is not None:
             self.metrics.prefix_prompt_blocks.observe(p.num_blocks)
         return p

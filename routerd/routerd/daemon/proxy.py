@@ -483,14 +483,18 @@ class Proxy:
         except BadRequest as e:
             reason = "not_found" if e.status == 404 else "bad_request"
             return self._refuse(e.status, str(e), e.type_, reason, code=e.code, param=e.param)
-        refused = await self._check_model(payload["model"])
-        if refused is not None:
-            return refused
+        if d.router.model_verdict(payload["model"]) != "ok":
+            # Only then the coroutine that may wait for model lists (two frames per request saved).
+            refused = await self._check_model(payload["model"])
+            if refused is not None:
+                return refused
         task = request.headers.get(TASK_HEADER)
         mt = payload.get("max_tokens", payload.get("max_completion_tokens"))
         bucket = await d.predict(prompt_text, prompt_tokens, task, mt if type(mt) is int else None)
         router = d.router
-        prefix = await d.prefix_blocks_async(prefix_input, kind == "chat")
+        chat = kind == "chat"
+        prefix = (await d.prefix_blocks_async(prefix_input, chat) if d.prefix_in_thread(prefix_input, chat)
+                  else d.prefix_blocks(prefix_input, chat))
         r = router.new_request(prompt_tokens, bucket, task, model=payload["model"], prefix=prefix)
         r.blind = not stream
         try:
