@@ -156,14 +156,21 @@ def capacity(reqs: list[Request], m: int) -> float:
     return round_robin_capacity(reqs, get_profile(PROFILE), m)
 
 
-def main_sim(a) -> None:
+def workload_at_load(a) -> tuple[list[str], list[Request], float, float]:
+    """(texts, requests at ``a.load`` x capacity, capacity, rate), the workload line printed."""
     texts, reqs = build_workload(a.requests, a.seed)
     cap = capacity(reqs, a.instances)
     rate = a.load * cap
     reqs = rescale_to_rate(reqs, rate)
     print(f"workload: {a.requests} requests, {PARAMS.groups} x {PARAMS.users_per_group} users, system "
           f"{PARAMS.system_prompt_tokens} + question {PARAMS.question_tokens} tokens, {PARAMS.output_tokens}-token "
-          f"answers; capacity {cap:.2f} req/s (round robin, simulated), load {a.load:g}x = {rate:.2f} req/s")
+          f"answers; {a.instances} x {PROFILE}; capacity {cap:.2f} req/s (round robin, simulated), load "
+          f"{a.load:g}x = {rate:.2f} req/s; seed {a.seed}", flush=True)
+    return texts, reqs, cap, rate
+
+
+def main_sim(a) -> None:
+    _, reqs, _, _ = workload_at_load(a)
     for name in a.policies:
         for mode in (["-"] if name == "round_robin" else a.modes):
             s = simulate(name, "off" if mode == "-" else mode, reqs, a.instances, a.seed)
@@ -307,14 +314,7 @@ def _scrape(url: str) -> dict[tuple[str, str | None], float]:
 def main_online(a) -> None:
     from emulated_pool import stop
 
-    texts, reqs = build_workload(a.requests, a.seed)
-    cap = capacity(reqs, a.instances)
-    rate = a.load * cap
-    reqs = rescale_to_rate(reqs, rate)
-    print(f"workload: {a.requests} requests, {PARAMS.groups} x {PARAMS.users_per_group} users, system "
-          f"{PARAMS.system_prompt_tokens} + question {PARAMS.question_tokens} tokens, {PARAMS.output_tokens}-token "
-          f"answers; {a.instances} x {PROFILE}; capacity {cap:.2f} req/s (round robin, simulated), load "
-          f"{a.load:g}x = {rate:.2f} req/s; seed {a.seed}", flush=True)
+    texts, reqs, cap, rate = workload_at_load(a)
     rows = []
     procs: list = []
     with tempfile.TemporaryDirectory(prefix="prefix-online-") as logdir:
