@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import pytest
 
@@ -28,7 +27,6 @@ from routerd.daemon.proxy import prompt_of
 from routerd.daemon.router import Router, build_routing_policy, prefix_indexes
 from routerd.errors import ConfigError
 from routerd.policies.registry import POLICIES
-from routerd.prefix.index import PrefixIndex
 from routerd.prefix.text import byte_token_array, text_prefix_blocks, token_prefix_blocks
 from routerd.tokens import chat_prompt_text
 
