@@ -193,6 +193,8 @@ class Daemon:
         """Per endpoint name: (what it was subscribed with, its EngineBlockIndex)."""
         self._kv_dup_warned: set[tuple] = set()
         self._fallback_said: set[tuple[str, str]] = set()
+        self._kv_since: dict[str, float] = {}
+        """Monotonic time each endpoint was subscribed (s)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._http_server: asyncio.AbstractServer | None = None
@@ -489,6 +491,7 @@ class Daemon:
             addr, topic, bs, max_blocks, stale_s = key
             idx = EngineBlockIndex(bs, max_blocks=max_blocks, stale_after_s=stale_s)
             self._kv_subs[name] = (key, idx)
+            self._kv_since[name] = time.monotonic()
             self.metrics.engine_index(name, idx)
             if name in self._kv:
                 self._background(self._kv_replace(name, (addr, topic, idx)))  # the old one closes first
@@ -504,12 +507,24 @@ class Daemon:
         said once per endpoint and reason (``no_events`` above all, which no event announces: a
         wrong address, vLLM without ``--kv-events-config``)."""
         self.metrics.count_prefix_fallback(name, reason)
-        if (name, reason) not in self._fallback_said:
-            self._fallback_said.add((name, reason))
-            sub = self._kv_subs.get(name)
-            log.warning("prefix.mode precise: %s's KV-event index (%s) cannot answer (%s): its prefix matches come "
-                        "from the approximate index (phasewise_prefix_fallbacks_total)", name,
-                        sub[0][0] if sub is not None else "?", reason)
+        if (name, reason) in self._fallback_said:
+            return
+        sub = self._kv_subs.get(name)
+        if reason == "no_events":
+            # Normal until the engine's first batch (an engine that stored nothing yet publishes
+            # nothing): said only once it has had stale_after_s to publish.
+            since = self._kv_since.get(name)
+            if since is not None and time.monotonic() - since < self.settings.prefix.kv_events.stale_after_s:
+                return
+            why = ("no KV events received yet: check that the engine runs with --kv-events-config and that its "
+                   "endpoint binds (vLLM binds only an endpoint with '*', e.g. tcp://*:5557; tcp://HOST:PORT "
+                   "connects instead)")
+        else:
+            why = reason
+        self._fallback_said.add((name, reason))
+        log.warning("prefix.mode precise: %s's KV-event index (%s) cannot answer (%s): its prefix matches come "
+                    "from the approximate index (phasewise_prefix_fallbacks_total)", name,
+                    sub[0][0] if sub is not None else "?", why)
 
     def _kv_add(self, name: str, address: str, topic: str, index: Any) -> None:
         try:
