@@ -179,7 +179,7 @@ class Daemon:
         self.router.failure_cooldown_s = settings.upstream.failure_cooldown_s
         self.router.outlier = settings.upstream.outlier
         self.prefix = built.prefix
-        self.router.configure_prefix(settings.prefix.index_capacity_blocks, self.prefix.source or "approximate")
+        self.router.configure_prefix(settings.prefix.index_capacity_blocks)
         self.router.set_default_models(settings.models)
         self.router.on_ready_change = self._on_ready_change
         self.started_at_unix = time.time()
@@ -354,18 +354,17 @@ class Daemon:
         return p
 
     def prefix_in_thread(self, prompt: PromptInput, chat: bool = False) -> bool:
-        """Whether :meth:`prefix_blocks_async` would tokenize ``prompt`` in a worker thread."""
+        """Whether ``prompt`` goes to :meth:`prefix_blocks_in_thread`: a long text for a model's tokenizer."""
         ident = self.prefix
         tok = ident.tokenizer
         return not (tok is None or tok.name == "bytes" or not isinstance(prompt, str) or len(prompt) < _THREAD_CHARS
                     or (chat and not ident.chat_keyed) or not self.router.reads_prefix)
 
-    async def prefix_blocks_async(self, prompt: PromptInput, chat: bool = False) -> Any:
-        """:meth:`prefix_blocks`, tokenizing a long prompt with a model's tokenizer in a worker
-        thread (the ``tokenizers`` package releases the GIL while it encodes): a 1 MB prompt takes
-        about a second to tokenize, which on the event loop stalled every other request."""
-        if not self.prefix_in_thread(prompt, chat):
-            return self.prefix_blocks(prompt, chat)
+    async def prefix_blocks_in_thread(self, prompt: PromptInput, chat: bool = False) -> Any:
+        """:meth:`prefix_blocks` in a worker thread, for a prompt :meth:`prefix_in_thread` says
+        a model's tokenizer should encode there (the ``tokenizers`` package releases the GIL while
+        it encodes): a 1 MB prompt takes about a second to tokenize, which on the event loop
+        stalled every other request."""
         p = await asyncio.to_thread(self.prefix.blocks_for, prompt, chat)
         if p is not None:
             self.metrics.prefix_prompt_blocks.observe(p.num_blocks)
@@ -774,7 +773,7 @@ class Daemon:
                 and settings.router.near_tie == old.router.near_tie and built.profile == live.ctx.profile
                 and tuple(built.edges) == tuple(live.ctx.bucket_edges))
         self.prefix = built.prefix
-        self.router.configure_prefix(settings.prefix.index_capacity_blocks, self.prefix.source or "approximate")
+        self.router.configure_prefix(settings.prefix.index_capacity_blocks)
         if keep:
             log.info("reload: policy %s unchanged; its prefix indexes are kept", settings.policy.name)
         else:

@@ -493,7 +493,7 @@ class Proxy:
         bucket = await d.predict(prompt_text, prompt_tokens, task, mt if type(mt) is int else None)
         router = d.router
         chat = kind == "chat"
-        prefix = (await d.prefix_blocks_async(prefix_input, chat) if d.prefix_in_thread(prefix_input, chat)
+        prefix = (await d.prefix_blocks_in_thread(prefix_input, chat) if d.prefix_in_thread(prefix_input, chat)
                   else d.prefix_blocks(prefix_input, chat))
         r = router.new_request(prompt_tokens, bucket, task, model=payload["model"], prefix=prefix)
         r.blind = not stream

@@ -332,8 +332,6 @@ class Router:
         self.prefix_capacity_blocks: int | None = None
         """``prefix.index_capacity_blocks``: bound on every policy's approximate prefix index per
         endpoint (blocks); None: the policies' own capacities (:meth:`configure_prefix`)."""
-        self.prefix_source = "approximate"
-        """Label of ``phasewise_prefix_match_blocks`` (``PrefixIdentity.source``)."""
         self._prefix_match = metrics.prefix_match_blocks.labels("approximate")
         """The policies' own indexes' beliefs; :attr:`_prefix_match_precise`: an engine's KV events."""
         self._prefix_match_precise = metrics.prefix_match_blocks.labels("precise")
@@ -395,11 +393,10 @@ class Router:
         """Whether the live policy keeps a prefix index (reads ``RequestFeatures.prefix``)."""
         return bool(self._indexes_of(self.policy))
 
-    def configure_prefix(self, capacity_blocks: int | None, source: str = "approximate") -> None:
+    def configure_prefix(self, capacity_blocks: int | None) -> None:
         """Apply ``prefix.index_capacity_blocks`` to every live policy's prefix index (evicting
-        what exceeds it now) and to policies built later; ``source`` labels the match metric."""
+        what exceeds it now) and to policies built later."""
         self.prefix_capacity_blocks = capacity_blocks
-        self.prefix_source = source
         for ix in self._live_indexes():
             ix.limit_capacity(capacity_blocks)
 
