@@ -304,8 +304,12 @@ def test_precise_prefix_pool_exposes_kv_events_and_drops_them_again(k8s, kube, o
     assert settings["kubernetes"]["kv_events_port_name"] == "kv-events"
     k8s.kubectl("patch", "-n", namespace, "llmrouterpool/px", "--type=merge", "-p",
                 json.dumps({"spec": {"routing": {"prefix": {"mode": "approximate"}}}}))
-    wait_for(lambda: [p["name"] for p in kube.get("v1", "Service", namespace, "px-engine")["spec"]["ports"]]
-             == ["http", "state"], timeout=20, what="the kv-events Service port removed")
+    # The operator applies the Service before the Deployment and the ConfigMap and writes the
+    # status last: observedGeneration 2 is the point where all of them follow the patch.
+    wait_for(lambda: (pool(kube, namespace, "px").get("status") or {}).get("observedGeneration") == 2,
+             timeout=20, what="pool px's status for generation 2")
+    assert [p["name"] for p in kube.get("v1", "Service", namespace, "px-engine")["spec"]["ports"]] \
+        == ["http", "state"]
     dep = kube.get("apps/v1", "Deployment", namespace, "px-engine")
     emu = dep["spec"]["template"]["spec"]["containers"][0]
     assert [p["name"] for p in emu["ports"]] == ["http"] and "--kv-events-config" not in emu["args"]
