@@ -8,7 +8,9 @@ values by hand in the comments, the match at insert checked against :meth:`Prefi
 
 from __future__ import annotations
 
+import math
 import random
+from collections import OrderedDict
 
 import pytest
 
@@ -161,67 +163,133 @@ def test_galloping_match_equals_the_linear_walk_on_random_histories(seed):
         ix.insert(i, p, now)
 
 
-def _reference_insert(ix: PrefixIndex, instance: int, prefix: PrefixBlocks, now: float) -> None:
-    """The insert as first written: one extent at a time, tail first (what the bulk insert must equal)."""
-    now = ix.advance(now)
-    if prefix is None or prefix.num_blocks == 0:
-        return
-    idx = ix._get(instance)
-    remaining = prefix.num_blocks if ix.max_blocks is None else min(ix.max_blocks, prefix.num_blocks)
-    items = []
-    for h, n in prefix.extents:
-        if remaining <= 0:
-            break
-        m = n if n < remaining else remaining
-        items.append((h, m))
-        remaining -= m
-    matched = inserted = 0
-    for h, m in reversed(items):
-        inserted += m
-        old = idx.blocks.get(h)
-        if old is None:
-            idx.blocks[h] = m
-            idx.size += m
-            matched = 0
-        else:
-            if m > old:
-                idx.blocks[h] = m
-                idx.size += m - old
-                matched = old
+def assert_books(ix: PrefixIndex) -> None:
+    """The index's books: each entry in exactly one non-empty run, found there by ``run_of``, each
+    run's total and the instance's size the sums of their entries' blocks."""
+    for i in ix.instances():
+        idx = ix._inst[i]
+        seen = [h for run in idx.lru for h in run.keys]
+        assert len(seen) == len(set(seen)) == len(idx.blocks) == len(idx.run_of) and set(seen) == set(idx.blocks)
+        for run in idx.lru:
+            assert run.keys and all(idx.run_of[h] is run for h in run.keys)
+            assert run.blocks == sum(idx.blocks[h] for h in run.keys)
+        assert idx.size == sum(idx.blocks.values())
+
+
+class FlatReference:
+    """The index as first written, independent of its runs: per instance one ``OrderedDict`` LRU
+    of extents, each insert one extent at a time tail first (head last, the most recent), LRU
+    entries trimmed from their tail; TTL expiry and periodic sweeps as ``PrefixIndex`` documents."""
+
+    def __init__(self, capacity, max_blocks_per_request=None, eviction_interval_s=None, ttl_s=None):
+        self.cap, self.max_blocks, self.step, self.ttl = capacity, max_blocks_per_request, eviction_interval_s, ttl_s
+        self.lru, self.times, self.size = {}, {}, {}
+        self.now, self.next_sweep = -math.inf, eviction_interval_s or math.inf
+        self.last_insert = None
+
+    def _evict(self, i):
+        lru = self.lru[i]
+        while self.size[i] > self.cap:
+            h, c = next(iter(lru.items()))
+            excess = self.size[i] - self.cap
+            if c <= excess:
+                del lru[h], self.times[i][h]
+                self.size[i] -= c
             else:
-                matched += m
-            idx.blocks.move_to_end(h)
-        if idx.touched is not None:
-            idx.touched[h] = now
-    ix.last_insert = (instance, matched, inserted)
-    if ix.eviction_interval_s is None:
-        idx.evict_to_capacity()
-    elif ix.hard_limit is not None:
-        idx.evict_to(ix.hard_limit)
+                lru[h] = c - excess
+                self.size[i] -= excess
+
+    def advance(self, now):
+        if now <= self.now:
+            return self.now
+        self.now = now
+        if self.ttl is not None:
+            for i, lru in self.lru.items():
+                while lru and self.times[i][next(iter(lru))] <= now - self.ttl:
+                    h, c = lru.popitem(last=False)
+                    del self.times[i][h]
+                    self.size[i] -= c
+        if now >= self.next_sweep:
+            for i in self.lru:
+                self._evict(i)
+            self.next_sweep = (math.floor(now / self.step) + 1) * self.step
+        return self.now
+
+    def insert(self, i, prefix, now):
+        now = self.advance(now)
+        lru, times = self.lru.setdefault(i, OrderedDict()), self.times.setdefault(i, {})
+        self.size.setdefault(i, 0)
+        remaining = prefix.num_blocks if self.max_blocks is None else min(self.max_blocks, prefix.num_blocks)
+        items = []
+        for h, n in prefix.extents:
+            if remaining <= 0:
+                break
+            items.append((h, min(n, remaining)))
+            remaining -= min(n, remaining)
+        matched = inserted = 0
+        for h, m in reversed(items):
+            inserted += m
+            old = lru.get(h)
+            if old is None:
+                lru[h] = m
+                self.size[i] += m
+                matched = 0
+            else:
+                if m > old:
+                    lru[h] = m
+                    self.size[i] += m - old
+                    matched = old
+                else:
+                    matched += m
+                lru.move_to_end(h)
+            times[h] = now
+        self.last_insert = (i, matched, inserted)
+        if self.step is None:
+            self._evict(i)
+
+    def entries(self, i):
+        return list(self.lru.get(i, {}).items())
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_bulk_insert_equals_the_one_at_a_time_insert(seed):
+def _trie_prompt(rng, max_depth=40):
+    ext, h = [], 0
+    for _ in range(rng.randrange(1, max_depth)):
+        h = h * 4 + rng.randrange(4) + 1  # a 4-ary trie: shared heads, branches at every depth
+        ext.append((h, (1, 2, 4, 7)[h % 4]))  # a chain hash names its whole prefix, hence its blocks
+    if rng.random() < 0.3:  # a partial last unit (Mooncake's last hash_id): fewer of its blocks
+        h, c = ext[-1]
+        ext[-1] = (h, rng.randrange(1, c + 1))
+    return pb(*ext)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_runs_keep_the_per_extent_lru_order(seed):
+    # The index keeps runs of extents touched together; its entries, sizes, touch times and
+    # matches at insert must be those of a per-extent LRU on random histories: shared heads
+    # (splits), longer turns of earlier prompts (runs moved whole), partial last units, caps per
+    # request, capacity trimming, TTL expiry and periodic sweeps.
     rng = random.Random(100 + seed)
     kind = seed % 4
     kw = dict(max_blocks_per_request=None if kind != 1 else 70, eviction_interval_s=25.0 if kind == 3 else None,
               ttl_s=40.0 if kind == 2 else None)
-    a, b = PrefixIndex(300, **kw), PrefixIndex(300, **kw)
+    a, b = PrefixIndex(300, **kw), FlatReference(300, **kw)
+    earlier = []
     for t in range(1_500):
-        ext, h = [], 0
-        for _ in range(rng.randrange(1, 40)):
-            h = h * 4 + rng.randrange(4) + 1
-            ext.append((h, (1, 2, 4, 7)[h % 4]))
-        if rng.random() < 0.3:
-            h, c = ext[-1]
-            ext[-1] = (h, rng.randrange(1, c + 1))
-        p, i, now = pb(*ext), rng.randrange(2), t * 0.5
+        if earlier and rng.random() < 0.3:  # the next turn: an earlier prompt and more
+            q = rng.choice(earlier)
+            h = q.extents[-1][0]
+            more = [(h := h * 4 + rng.randrange(4) + 1, (1, 2, 4, 7)[h % 4]) for _ in range(rng.randrange(1, 6))]
+            p = pb(*q.extents, *more)
+        else:
+            p = _trie_prompt(rng)
+        earlier.append(p)
+        i, now = rng.randrange(2), t * 0.5
         a.insert(i, p, now)
-        _reference_insert(b, i, p, now)
+        b.insert(i, p, now)
         assert a.last_insert == b.last_insert, t
-        assert a.entries(i) == b.entries(i) and a.size(i) == b.size(i) == sum(c for _, c in b.entries(i)), t
-        if kind == 2:
-            assert a._inst[i].touched == b._inst[i].touched
+        assert a.entries(i) == b.entries(i) and a.size(i) == b.size[i] == sum(c for _, c in b.entries(i)), t
+        assert a.touch_times(i) == b.times[i], t
+        assert_books(a)
 
 
 def test_prompts_against_the_invariant_never_break_the_books():
@@ -239,3 +307,44 @@ def test_prompts_against_the_invariant_never_break_the_books():
         ix.match(i, pb(*ext))
         ix.insert(i, pb(*ext), float(t))
         assert ix.size(i) == sum(c for _, c in ix.entries(i)) <= 60
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_colliding_hashes_never_break_the_books(seed):
+    # Hashes from a tiny set at any depth, repeated within a prompt (64-bit collisions, never
+    # chain hashes): nothing raises, every entry is stored once, the size is the sum of the
+    # entries and stays within the capacity, and a TTL still empties the index.
+    rng = random.Random(seed)
+    ix = PrefixIndex(50, ttl_s=30.0 if seed == 2 else None)
+    for t in range(3_000):
+        p = pb(*((rng.randrange(12), rng.randrange(1, 6)) for _ in range(rng.randrange(1, 25))))
+        i = rng.randrange(2)
+        ix.match(i, p)
+        ix.insert(i, p, float(t))
+        e = ix.entries(i)
+        assert len({h for h, _ in e}) == len(e) and ix.size(i) == sum(c for _, c in e) <= 50, t
+        assert set(ix.touch_times(i)) == {h for h, _ in e}
+        assert_books(ix)
+    if seed == 2:
+        ix.advance(10_000.0)
+        assert ix.size(0) == ix.size(1) == 0 and ix.entries(0) == []
+
+
+def test_hinted_search_finds_the_boundary_whatever_the_hints():
+    # The first extent not wholly cached, from any hints (right, wrong, out of range, repeated),
+    # against the linear count on random cached heads with a partial extent at the boundary.
+    from routerd.prefix.index import _wholly_cached
+
+    rng = random.Random(7)
+    for _ in range(3_000):
+        n = rng.randrange(0, 70)
+        ext = [(h, 1 + h % 3) for h in range(1, n + 1)]
+        k = rng.randrange(0, n + 1)
+        cached = {h: c for h, c in ext[:k]}
+        if k < n and rng.random() < 0.5:
+            cached[ext[k][0]] = ext[k][1] - 1 or None  # part of the boundary extent
+        cached = {h: c for h, c in cached.items() if c}
+        hints = [rng.randrange(-2, n + 3) for _ in range(rng.randrange(0, 5))]
+        if rng.random() < 0.3:
+            hints.append(k)
+        assert _wholly_cached(ext, cached.get, hints) == k, (n, k, hints)

@@ -306,7 +306,8 @@ class PrefixConfig(_Model):
     """Blocks per hashed chunk of text (approximate identity): a chunk is ``chunk_blocks *
     block_size * 4`` bytes (routerd's 4 bytes per token) and a shared prefix is found to its last
     whole chunk (a prompt shorter than one chunk has no prefix). A decision costs about one
-    index entry per chunk (the insert into the chosen endpoint's LRU; matching is logarithmic):
+    index entry per chunk not yet cached on the chosen endpoint (its insert, and the eviction
+    of as many; a cached history is moved whole and matching is logarithmic):
     4 (256 bytes, 64 tokens) is half to a third of 1's cost on 4K-8K-token prompts
     (``benchmarks/prefix_decision_cost.py``); 1 is llm-d's granularity (64 characters), at 4x
     the entries."""
@@ -317,10 +318,10 @@ class PrefixConfig(_Model):
     index_capacity_blocks: int = Field(default=262_144, ge=1)
     """Bound on each policy's approximate index per endpoint (blocks), over any capacity the
     policy sets itself (llm-d's LRU of kv_total_blocks, phasewise's 31,250, SGLang's tree between
-    sweeps, Dynamo's TTL-only index); least recently used entries go first. Memory: about 200
-    bytes per entry of ``chunk_blocks`` blocks (300 with ``dynamo_kv``'s TTL; measured RSS,
+    sweeps, Dynamo's TTL-only index); least recently used entries go first. Memory: about 220
+    bytes per entry of ``chunk_blocks`` blocks (with or without ``dynamo_kv``'s TTL; measured RSS,
     ``benchmarks/prefix_decision_cost.py``), so 262,144 blocks at ``chunk_blocks`` 4 is about
-    13 MB per endpoint (per model with several models)."""
+    14 MB per endpoint (per model with several models)."""
     tokenizer: str = ""
     """Precise mode's tokenizer: ``""`` (none: text chunks as in approximate mode), ``bytes``
     (the emulator's deterministic tokenizer, 4 UTF-8 bytes per token) or the path of a Hugging

@@ -126,30 +126,32 @@ class Phasewise(RoutingPolicy):
         own_step = k_seq + k_ctx * (prompt + 0.5 * out)
         fit: list[tuple[float, int]] = []
         unfit: list[tuple[float, int]] = []
+        w_dec, w_int, w_pre = p.decode_weight, p.interference_weight, p.preemption_weight
+        keep = 1.0 - p.reserve_fraction
+        index, source = self._index, p.prefix_source
         for inst in view.instances:
-            h = cached_blocks(inst, prefix, self._index, p.prefix_source) if prefix is not None else 0
+            h = cached_blocks(inst, prefix, index, source) if prefix is not None else 0
             cached = bs * h
             u = prompt - cached
             if u < 1:
                 u = 1
                 cached = prompt - 1
             s = inst.load_summary()
-            B = s.decode_bins[0] + s.decode_bins[1] + s.decode_bins[2]
-            S = s.sum_prompt_and_predicted
-            t_dec = a + k_seq * B + k_ctx * S
+            bins = s.decode_bins
+            B = bins[0] + bins[1] + bins[2]
+            t_dec = a + k_seq * B + k_ctx * s.sum_prompt_and_predicted
             k = k_pf + t_dec / budget
             attn = k_attn * u * (cached + u)
             q_tokens, q_attended = pending_prefill_work(inst)
             ttft = k * (q_tokens + u) + k_attn * q_attended + attn
-            cost = (ttft + p.decode_weight * out * (t_dec + own_step)
-                    + p.interference_weight * B * (k_pf * u + attn))
-            usable = int(inst.kv_total_blocks * (1.0 - p.reserve_fraction))
+            cost = ttft + w_dec * out * (t_dec + own_step) + w_int * B * (k_pf * u + attn)
+            usable = int(inst.kv_total_blocks * keep)
             need = min(need_full - h, usable)
             deficit = need - (usable - inst.kv_used_blocks - waiting_kv_blocks(inst))
             fits = inst.num_running + inst.num_waiting < max_seqs and deficit <= 0
             if deficit > 0:
                 # vLLM makes room by preempting and later recomputing about as many tokens.
-                cost += p.preemption_weight * deficit * bs * k
+                cost += w_pre * deficit * bs * k
             (fit if fits else unfit).append((cost, inst.index))
         # Exact ties (1e-12 s) always at random; near-ties too with ctx.near_tie.
         scored = fit or (None if p.hold else unfit)

@@ -8,8 +8,12 @@ prompts the router sent there, with no feedback from the engine: a prompt is bel
 instance once the router dispatched it there, until the index forgets it.
 
 Here each instance holds ``extent hash -> leading blocks believed cached`` (extents as in
-:mod:`routerd.prefix.chain`) in LRU order, bounded by a capacity in blocks. Matching walks the
-request's extents (O(extents), not O(blocks)); inserting touches each extent once.
+:mod:`routerd.prefix.chain`) in LRU order, bounded by a capacity in blocks. Matching is a
+galloping search over the request's extents (O(log extents) lookups, fewer still with the answers
+other candidates gave for the same prompt). The LRU is kept over *runs* of extents touched together
+(:class:`_Run`, a radix tree's edges), so inserting a prompt costs one step per run on its cached
+path plus one per new extent, not one per extent: on 8K-token prompts with a cached history,
+10 us instead of 25 (43 with a TTL) per insert (``benchmarks/prefix_decision_cost.py``).
 
 Eviction, modelled on what matters for routing:
 
@@ -41,18 +45,56 @@ if TYPE_CHECKING:
     from routerd.policies.base import InstanceView
 
 
+class _Run:
+    """Entries touched together: a segment of one chain, ``keys`` shallow first (``keys[0]`` the
+    extent at chain depth ``top``), last touched at ``time`` (s), holding ``blocks`` in all.
+
+    Within a run the deepest entry is the least recently used (a prompt's extents are touched
+    tail first, head last), so the flat LRU order of entries is each run's keys reversed, runs
+    in LRU order; eviction takes a run's last key first.
+    """
+
+    __slots__ = ("keys", "top", "time", "blocks")
+
+    def __init__(self, keys: list[int], top: int, time: float, blocks: int) -> None:
+        self.keys = keys
+        self.top = top
+        self.time = time
+        self.blocks = blocks
+
+
 class _InstanceIndex:
-    """One instance's entries: extent hash -> leading blocks, least recently touched first."""
+    """One instance's entries: extent hash -> leading blocks, in runs least recently touched first.
 
-    __slots__ = ("blocks", "touched", "size", "capacity")
+    An LRU over single extents costs a dict move per extent touched, and a prompt touches all of
+    its cached extents: 128 moves for an 8K-token prompt at routerd's default ``chunk_blocks``.
+    Consecutive extents of a chain that were always touched together form one :class:`_Run`
+    (a radix tree's edge, SGLang's ``tree.rs`` node), so a touch costs a move per run on the
+    prompt's path, and a run is split only where a touch covers part of it (a new branch or a
+    shorter prompt). The order of entries, and so every eviction, is that of the per-extent LRU
+    (``tests/test_prefix_index_bounds.py`` checks it against one on random histories).
+    """
 
-    def __init__(self, capacity: int | None, timed: bool = True) -> None:
-        self.blocks: OrderedDict[int, int] = OrderedDict()
-        self.touched: dict[int, float] | None = {} if timed else None
-        """Last insert time per entry (s), for TTL expiry only; None without a TTL (a third less
-        memory per entry and a dict store less per extent inserted)."""
+    __slots__ = ("blocks", "run_of", "lru", "size", "capacity")
+
+    def __init__(self, capacity: int | None) -> None:
+        self.blocks: dict[int, int] = {}
+        """Extent hash -> leading blocks believed cached (what matching reads)."""
+        self.run_of: dict[int, _Run] = {}
+        """Extent hash -> the run holding it (every entry is in exactly one run)."""
+        self.lru: OrderedDict[_Run, None] = OrderedDict()
+        """Non-empty runs, least recently touched first."""
         self.size = 0
         self.capacity = capacity
+
+    def entries(self) -> list[tuple[int, int]]:
+        """``(extent hash, leading blocks)``, least recently used first."""
+        blocks = self.blocks
+        return [(h, blocks[h]) for run in self.lru for h in reversed(run.keys)]
+
+    def touch_times(self) -> dict[int, float]:
+        """Extent hash -> time (s) of its last insert."""
+        return {h: run.time for run in self.lru for h in run.keys}
 
     def evict_to_capacity(self) -> int:
         """Trim LRU entries until ``size <= capacity``; returns blocks evicted."""
@@ -62,35 +104,106 @@ class _InstanceIndex:
         """Trim LRU entries until ``size <= cap`` (blocks; None: nothing); returns blocks evicted."""
         if cap is None or self.size <= cap:
             return 0
-        evicted = 0
-        blocks = self.blocks
-        while self.size > cap:
-            h, c = next(iter(blocks.items()))
-            excess = self.size - cap
-            if c <= excess:
-                blocks.popitem(last=False)
-                if self.touched is not None:
-                    del self.touched[h]
-                self.size -= c
-                evicted += c
-            else:
-                # Keep the leading blocks: assigning an existing key keeps its LRU position.
-                blocks[h] = c - excess
-                self.size -= excess
-                evicted += excess
-        return evicted
+        blocks, run_of, lru = self.blocks, self.run_of, self.lru
+        popitem = lru.popitem
+        start = size = self.size
+        while size > cap:
+            run = popitem(last=False)[0]
+            rk = run.keys
+            excess = size - cap
+            if run.blocks <= excess:  # the whole run goes (often one entry: a turn's new tail)
+                if len(rk) == 1:
+                    h = rk[0]
+                    del blocks[h], run_of[h]
+                else:
+                    deque(map(blocks.__delitem__, rk), maxlen=0)
+                    deque(map(run_of.__delitem__, rk), maxlen=0)
+                size -= run.blocks
+                continue
+            # Part of it: trimmed from its deep end, the rest back at the LRU end.
+            while True:
+                h = rk[-1]
+                c = blocks[h]
+                if c <= excess:
+                    rk.pop()
+                    del blocks[h], run_of[h]
+                    run.blocks -= c
+                    size -= c
+                    excess -= c
+                    if not excess:
+                        break
+                else:
+                    blocks[h] = c - excess  # keep the leading blocks: still a prefix
+                    run.blocks -= excess
+                    size = cap
+                    break
+            lru[run] = None
+            lru.move_to_end(run, last=False)
+        self.size = size
+        return start - size
+
+    def _drop(self, run: _Run) -> None:
+        """Forget every entry of ``run`` (in the LRU)."""
+        rk = run.keys
+        self.size -= run.blocks
+        deque(map(self.blocks.__delitem__, rk), maxlen=0)
+        deque(map(self.run_of.__delitem__, rk), maxlen=0)
+        del self.lru[run]
 
     def expire(self, deadline: float) -> None:
         """Drop entries last touched at or before ``deadline`` (s)."""
-        blocks, touched = self.blocks, self.touched
-        if touched is None:
-            return
-        while blocks:
-            h = next(iter(blocks))
-            if touched[h] > deadline:
+        lru = self.lru
+        while lru:
+            run = next(iter(lru))
+            if run.time > deadline:
                 break
-            self.size -= blocks.pop(h)
-            del touched[h]
+            self._drop(run)
+
+    def touch_head(self, ext: "Sequence[tuple[int, int]]", k: int, now: float) -> None:
+        """Make the entries of ``ext[:k]`` (a prompt's first ``k`` extents, all stored)
+        the most recently used, head last, as touching them one by one tail first would.
+
+        Walks the runs on the path deepest first: a run covered whole moves; one covered in
+        part (its top only: a run is a chain segment) is split, its deep rest left in place.
+        """
+        run_of, lru = self.run_of, self.lru
+        d = k - 1
+        while d >= 0:
+            h = ext[d][0]
+            run = run_of.get(h)
+            if run is None:
+                # Not stored after all (equal hashes with unequal blocks, against the chain
+                # invariant): skipped; the books stay whole, only this match is lost.
+                d -= 1
+                continue
+            rk = run.keys
+            i = d - run.top
+            if not (0 <= i < len(rk) and rk[i] == h):
+                i = rk.index(h)  # hashes that break the chain arithmetic (a 64-bit collision)
+            if i == len(rk) - 1:
+                lru.move_to_end(run)
+                run.time = now
+            else:
+                moved = rk[:i + 1]
+                del rk[:i + 1]
+                run.top += i + 1
+                new = _Run(moved, d - i, now, sum(map(self.blocks.__getitem__, moved)))
+                run.blocks -= new.blocks
+                run_of.update(zip(moved, repeat(new)))
+                lru[new] = None
+            d -= i + 1
+
+    def detach(self, h: int) -> None:
+        """Take stored ``h`` out of its run (its entry in ``blocks`` stays)."""
+        run = self.run_of.pop(h)
+        run.blocks -= self.blocks[h]
+        rk = run.keys
+        if rk and rk[-1] == h:
+            rk.pop()
+        else:
+            rk.remove(h)
+        if not rk:
+            del self.lru[run]
 
 
 class PrefixIndex:
@@ -141,6 +254,9 @@ class PrefixIndex:
         self._inst: dict[int, _InstanceIndex] = {}
         self.hard_limit: int | None = None
         """Bound on every instance's blocks over any capacity set (:meth:`limit_capacity`); None: none."""
+        self._hints: tuple = ((), ())
+        """The latest prefix matched (its extents) and the answers found for it (at most 4,
+        :func:`_wholly_cached`'s hints): a decision asks every candidate about one prefix."""
         self.last_insert: tuple[int, int, int] | None = None
         """``(instance, matched blocks, inserted blocks)`` of the latest :meth:`insert` that had
         blocks to insert: how many of the request's leading blocks the index believed cached
@@ -152,7 +268,7 @@ class PrefixIndex:
     def _get(self, instance: int) -> _InstanceIndex:
         idx = self._inst.get(instance)
         if idx is None:
-            idx = self._inst[instance] = _InstanceIndex(self._bounded(self.default_capacity), self.ttl_s is not None)
+            idx = self._inst[instance] = _InstanceIndex(self._bounded(self.default_capacity))
         return idx
 
     def _bounded(self, blocks: int | None) -> int | None:
@@ -226,7 +342,12 @@ class PrefixIndex:
     def entries(self, instance: int) -> list[tuple[int, int]]:
         """``(extent hash, leading blocks)`` of ``instance``, least recently inserted first."""
         idx = self._inst.get(instance)
-        return [] if idx is None else list(idx.blocks.items())
+        return [] if idx is None else idx.entries()
+
+    def touch_times(self, instance: int) -> dict[int, float]:
+        """Extent hash -> time (s) of its last insert, for ``instance``'s entries."""
+        idx = self._inst.get(instance)
+        return {} if idx is None else idx.touch_times()
 
     # --- time -----------------------------------------------------------------------------
 
@@ -275,8 +396,13 @@ class PrefixIndex:
             m = matched_blocks(ext, idx.blocks)
         else:
             get = idx.blocks.get
-            k = _wholly_cached(ext, get)
-            m = _leading_blocks(ext, k)
+            seen, hints = self._hints
+            if seen is not ext:
+                hints = ()
+            k = _wholly_cached(ext, get, hints)
+            if k not in hints:
+                self._hints = (ext, (k, *hints[:3]))
+            m = _leading_blocks(ext, k, prefix.num_blocks)
             if k < len(ext):
                 m += get(ext[k][0], 0)  # the cached blocks of the first extent not wholly cached
         cap = self.max_blocks
@@ -302,104 +428,62 @@ class PrefixIndex:
                 m = n if n < remaining else remaining
                 items.append((h, m))
                 remaining -= m
-        blocks, touched = idx.blocks, idx.touched
-        get = blocks.get
-        if len(items) <= 8:
-            self._insert_few(instance, idx, items, now)
-            return
+        blocks = idx.blocks
+        n = len(items)
         # The first ``k`` extents are wholly here, the rest not (and, past extent k, absent:
-        # _wholly_cached's invariant), so they are stored in bulk, the same as one extent at a time
-        # tail first would store them: absent ones appended deepest first, extent k grown or
-        # appended, the cached head moved to the end head last (the most recently used).
-        n_items = len(items)
-        k = _wholly_cached(items, get)
-        head = _leading_blocks(items, k)
-        inserted = head
-        matched = head
-        if k < n_items:
+        # _wholly_cached's invariant). As touching them one at a time tail first would: extents
+        # k.. become one new run (extent k grown, the absent ones added), then the cached head
+        # moves to the most recent end run by run, head last.
+        seen, hints = self._hints
+        k = _wholly_cached(items, blocks.get, hints if seen is prefix.extents else ())
+        matched = inserted = _leading_blocks(items, k, prefix.num_blocks if items is prefix.extents else None)
+        if k < n:
             hk, mk = items[k]
-            old = get(hk, 0)
+            old = blocks.get(hk, 0)
             matched += old
-            rest = items[:k:-1]  # extents k+1 .. end, deepest first
+            if old:
+                idx.detach(hk)
+            rest = items[k + 1:]
+            new_keys = [h for h, _ in items[k:]]
             before = len(blocks)
             blocks.update(rest)
+            blocks[hk] = mk
             added = sum(map(itemgetter(1), rest))
             inserted += mk + added
-            if old:
-                blocks[hk] = mk  # old < mk: the whole extent now
-                blocks.move_to_end(hk)
-            else:
-                blocks[hk] = mk
             idx.size += added + mk - old
+            run = _Run(new_keys, k, now, mk + added)
             if len(blocks) - before != len(rest) + (0 if old else 1):
-                # A key already here among the absent ones (a 64-bit hash collision): recount.
-                idx.size = sum(blocks.values())
+                self._repair(idx, run)  # a key already here (a 64-bit hash collision)
+            idx.run_of.update(zip(run.keys, repeat(run)))
+            idx.lru[run] = None
         if k:
-            try:
-                deque(map(blocks.move_to_end, map(itemgetter(0), items[k - 1::-1])), maxlen=0)
-            except KeyError:
-                # Not all of the head here after all (prompts whose equal hashes differ in blocks,
-                # against the invariant): store it one extent at a time, head last, as a miss would.
-                for h, m in items[k - 1::-1]:
-                    old = get(h)
-                    if old is None:
-                        blocks[h] = m
-                        idx.size += m
-                    else:
-                        if m > old:
-                            blocks[h] = m
-                            idx.size += m - old
-                        blocks.move_to_end(h)
-        if touched is not None:
-            touched.update(zip(map(itemgetter(0), items), repeat(now)))
+            idx.touch_head(prefix.extents, k, now)
         self.last_insert = (instance, matched, inserted)
-        self._evict_after_insert(idx)
-
-    def _insert_few(self, instance: int, idx: _InstanceIndex, items: "Sequence[tuple[int, int]]",
-                    now: float) -> None:
-        matched, inserted = _insert_one_at_a_time(idx, items, now)
-        self.last_insert = (instance, matched, inserted)
-        self._evict_after_insert(idx)
-
-    def _evict_after_insert(self, idx: _InstanceIndex) -> None:
         if self.eviction_interval_s is None:
             idx.evict_to_capacity()
         elif self.hard_limit is not None:
             idx.evict_to(self.hard_limit)
 
-
-def _insert_one_at_a_time(idx: _InstanceIndex, items: "Sequence[tuple[int, int]]", now: float) -> tuple[int, int]:
-    """Store ``items`` in ``idx`` tail first (head last, the most recently used); returns
-    ``(matched, inserted)`` blocks. Faster than the bulk path below 9 extents."""
-    blocks, touched = idx.blocks, idx.touched
-    get = blocks.get
-    # Walking tail first, ``matched`` restarts at each extent not wholly cached; after the head
-    # it is the leading run of blocks that was cached (matched_blocks' answer).
-    matched = inserted = 0
-    for h, m in reversed(items):
-        inserted += m
-        old = get(h)
-        if old is None:
-            blocks[h] = m
-            idx.size += m
-            matched = 0
-        else:
-            if m > old:
-                blocks[h] = m
-                idx.size += m - old
-                matched = old
-            else:
-                matched += m
-            blocks.move_to_end(h)
-        if touched is not None:
-            touched[h] = now
-    return matched, inserted
+    @staticmethod
+    def _repair(idx: _InstanceIndex, run: _Run) -> None:
+        """Keep the books whole when a new run's keys were already stored, or repeat: each key
+        leaves its old run and appears once in ``run``; the size is recounted."""
+        run.keys = list(dict.fromkeys(run.keys))
+        for h in run.keys:
+            if h in idx.run_of:
+                idx.detach(h)
+        blocks = idx.blocks
+        for r in (*idx.lru, run):
+            r.blocks = sum(map(blocks.__getitem__, r.keys))
+        idx.size = sum(blocks.values())
 
 
-def _wholly_cached(ext: "Sequence[tuple[int, int]]", get) -> int:
+def _wholly_cached(ext: "Sequence[tuple[int, int]]", get, hints: "Sequence[int]" = ()) -> int:
     """How many leading extents of ``ext`` are wholly cached (``get(hash, 0) >= blocks``), by a
     galloping search: O(log k) lookups for ``k`` (about 16 for a 512-extent prompt cached whole,
-    1 for a miss at its head) instead of a walk of ``k``.
+    1 for a miss at its head) instead of a walk of ``k``. ``hints`` are answers found for the
+    same prompt on other instances (a decision asks every candidate): each is tried first, in two
+    lookups, and a wrong one still narrows the search.
 
     Valid because, in a :class:`PrefixIndex`, an extent of a chain is wholly cached only if every
     earlier extent of the chain is: extents are chain hashes (each names the whole prefix up to
@@ -415,13 +499,31 @@ def _wholly_cached(ext: "Sequence[tuple[int, int]]", get) -> int:
     n = len(ext)
     if n == 0:
         return 0
-    h, c = ext[0]
-    if get(h, 0) < c:
-        return 0
-    lo, hi, step = 0, n, 1  # ext[lo] wholly cached; ext[hi] not (hi = n: none known)
+    lo, hi = -1, n  # ext[lo] wholly cached (-1: none known); ext[hi] not (n: none known)
+    for k in hints:
+        if not lo < k <= hi:
+            continue  # ruled out by an earlier hint
+        if k > 0:
+            h, c = ext[k - 1]
+            if get(h, 0) < c:
+                hi = k - 1
+                continue
+            lo = k - 1
+        if k == n:
+            return n
+        h, c = ext[k]
+        if get(h, 0) < c:
+            return k
+        lo = k
+    if lo < 0:
+        h, c = ext[0]
+        if get(h, 0) < c:
+            return 0
+        lo = 0
+    step = 1
     while True:
         probe = lo + step
-        if probe >= n:
+        if probe >= hi:
             break
         h, c = ext[probe]
         if get(h, 0) >= c:
@@ -446,13 +548,16 @@ every candidate, so the sums are taken once per decision (one tuple, rebound who
 threads sharing it never pair one prefix's extents with another's sums)."""
 
 
-def _leading_blocks(ext: "Sequence[tuple[int, int]]", k: int) -> int:
-    """Blocks in the first ``k`` extents of ``ext``."""
+def _leading_blocks(ext: "Sequence[tuple[int, int]]", k: int, total: int | None = None) -> int:
+    """Blocks in the first ``k`` extents of ``ext`` (``total``: the blocks of all of them, if known)."""
     global _cum_of
     if k == 0:
         return 0
-    if len(ext) <= 8:
+    n = len(ext)
+    if n <= 8:
         return sum(map(itemgetter(1), ext[:k]))
+    if total is not None and n - k <= 16:  # a long cached head and a short new tail
+        return total - sum(map(itemgetter(1), ext[k:]))
     seen, cum = _cum_of
     if seen is not ext:
         cum = list(accumulate(map(itemgetter(1), ext)))
