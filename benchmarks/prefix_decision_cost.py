@@ -17,7 +17,10 @@ Each timed pick is the policy's whole ``pick`` (scoring every candidate, its ind
 candidate and its insert into the chosen one), by the wall clock (``perf_counter_ns``) and by the
 thread's CPU clock (``thread_time_ns``: what it costs; the wall clock also counts the time the
 thread was preempted, which dominates p99 on a shared machine); p50 and p99 over ``--n`` picks
-after 10% warm-up. The prefix hashing (``PrefixIdentity.blocks_for``, what
+after 10% warm-up. The indexes defer their inserts as routerd's do (``PrefixIndex.defer_updates``:
+routerd applies them, evictions included, on the next event-loop turn, after the request is on
+its way), so a pick is the decision; ``+update`` is the pick plus that insert (its CPU clock),
+what the decision costs the event loop in all. The prefix hashing (``PrefixIdentity.blocks_for``, what
 routerd does once per request at parse) is timed apart, per prompt size and chunk size.
 
 Also the index's memory (``--memory-bound``): the process's RSS while a stream of unique 4K-token
@@ -90,7 +93,8 @@ def features(rid: int, tokens: int, prefix) -> RequestFeatures:
 def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conversations: int,
             worst: bool) -> tuple[list[float], float]:
     """([p50, p99 with prefix, p50, p99 without] by the wall clock, then the same by the thread's CPU
-    clock (us), mean matched blocks on the chosen instance)."""
+    clock, then p50 and p99 of the decision plus its deferred insert by the CPU clock (us);
+    mean matched blocks on the chosen instance)."""
     prof = get_profile(PROFILE)
     ident = PrefixIdentity(PrefixConfig(chunk_blocks=chunk), prof.block_size)
     rng = random.Random(tokens * 31 + m)
@@ -113,19 +117,24 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
         policy = build_routing_policy(PolicyConfig(name=name), prof, m, near_tie=0.05)
         for ix in prefix_indexes(policy):
             ix.limit_capacity(262_144)  # routerd's default bound
+            ix.defer_updates = True  # as routerd: updated after the decision (Router._flush_soon)
         now = 1.0
         if worst:
             for ix in prefix_indexes(policy):
                 for ep in eps:
                     ix.set_capacity(ep.index, max(1, ep.kv_total_blocks)) if not ix.has_instance(ep.index) else None
                     ix.insert(ep.index, ident.blocks_for(convs[0]), now)
+                    ix.flush()
         else:
             for c, text in enumerate(convs):  # the warm-up: every conversation's history sent once
                 view = ClusterView(now, eps, 1)
                 policy.pick(features(c, tokens, ident.blocks_for(text[:hist]) if with_prefix else None), view)
+                for ix in prefix_indexes(policy):
+                    ix.flush()
         gc.collect()
         ns: list[int] = []
         cpu_ns: list[int] = []
+        after_ns: list[int] = []
         wall, cpu = time.perf_counter_ns, time.thread_time_ns
         ixs = prefix_indexes(policy)
         for k, prefix in enumerate(timed):
@@ -139,15 +148,22 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
             c, t = cpu(), wall()
             policy.pick(f, view)
             t, c = wall() - t, cpu() - c
+            a = cpu()
+            for ix in ixs:  # routerd's next event-loop turn, after the request is on its way
+                ix.flush()
+            a = cpu() - a
             ns.append(t)
             cpu_ns.append(c)
+            after_ns.append(c + a)
             if with_prefix and k >= n // 10:
                 li = next((ix.last_insert for ix in ixs if ix.last_insert is not None), None)
                 if li is not None:
                     matched.append(li[1])
         out.extend(pct(ns[n // 10:]))
         cpu_out.extend(pct(cpu_ns[n // 10:]))
-    return out + cpu_out, float(np.mean(matched)) if matched else 0.0
+        if with_prefix:
+            total = pct(after_ns[n // 10:])
+    return out + cpu_out + list(total), float(np.mean(matched)) if matched else 0.0
 
 
 def hashing(tokens: int, chunk: int, n: int) -> tuple[float, float, int]:
@@ -233,17 +249,17 @@ def main() -> None:
               f" wall clock, then the thread's CPU clock (without preemption)")
         print(f"{'policy':>19} {'m':>2} {'tokens':>6} {'chunk':>5} | {'p50':>6} {'p99':>6} {'None':>5} {'None':>5} "
               f"{'x p50':>5} {'x p99':>5} | {'cpu p50':>7} {'p99':>6} {'None':>5} {'None':>5} {'x p50':>5} "
-              f"{'x p99':>5} | {'matched':>7}")
+              f"{'x p99':>5} | {'+update p50':>11} {'p99':>6} | {'matched':>7}")
         for chunk in chunks:
             for name in pols:
                 for m in ms:
                     for tokens in sizes:
                         f, mb = measure(name, m, tokens, chunk, a.n, a.load, a.conversations, worst)
-                        w50, w99, o50, o99, c50, c99, d50, d99 = f
+                        w50, w99, o50, o99, c50, c99, d50, d99, e50, e99 = f
                         flag = "" if c99 <= 100.0 else "  CPU p99 > 100 us"
                         print(f"{name:>19} {m:>2} {tokens:>6} {chunk:>5} | {w50:6.1f} {w99:6.1f} {o50:5.1f} "
                               f"{o99:5.1f} {w50 / o50:5.2f} {w99 / o99:5.2f} | {c50:7.1f} {c99:6.1f} {d50:5.1f} "
-                              f"{d99:5.1f} {c50 / d50:5.2f} {c99 / d99:5.2f} | {mb:7.1f}{flag}")
+                              f"{d99:5.1f} {c50 / d50:5.2f} {c99 / d99:5.2f} | {e50:11.1f} {e99:6.1f} | {mb:7.1f}{flag}")
 
 
 if __name__ == "__main__":

@@ -286,6 +286,36 @@ def test_a_stream_of_unique_prompts_never_grows_an_index_past_its_bound(policy):
     assert value(r, "phasewise_prefix_match_blocks_count", source="approximate") == 400
 
 
+def test_index_updates_wait_for_the_next_loop_turn_not_the_decision():
+    # routerd leaves each decision's index insert (PrefixIndex.defer_updates) to the next
+    # event-loop turn, off the request's path; a decision before that turn applies it first, so
+    # it sees the index as without deferral; the match metric is the decision's own.
+    async def main():
+        r = make_router("llmd", capacity=300)
+        (ix,) = prefix_indexes(r.policy)
+        assert ix.defer_updates
+        for k in range(100):  # 20 blocks each, about 25 per endpoint: every index at its bound
+            route(r, f"{k:06d} unique prompt " + "y" * (64 * 20))
+            await asyncio.sleep(0)
+        assert not ix.due and all(ix._inst[ep.index].size == 300 for ep in r.endpoints)
+        text = "a shared head " + "z" * (64 * 20)
+        p = ident(chunk_blocks=1).blocks_for(text)
+        assert p.num_blocks == 20
+        ep = route(r, text)
+        assert ix.due and ix._inst[ep.index].blocks.get(p.extents[0][0]) is None  # not yet stored
+        assert ix.last_insert == (ep.index, 0, 20)
+        ep2 = route(r, text + " and more" + "w" * (64 * 2))  # no loop turn in between: applied first
+        assert ix.last_insert[0] == ep2.index
+        if ep2 is ep:
+            assert ix.last_insert[1] == 20  # the first insert was there for this decision
+        await asyncio.sleep(0)
+        assert not ix.due and all(ix._inst[e.index].size == 300 for e in r.endpoints)
+        assert ix.match(ep.index, p) == 20
+        assert value(r, "phasewise_prefix_match_blocks_count", source="approximate") == 102
+
+    asyncio.run(main())
+
+
 def test_each_model_policy_gets_the_bound():
     r = make_router("llmd", capacity=50, models=["a", "b"])
     route(r, "p" * 64 * 80, model="a")

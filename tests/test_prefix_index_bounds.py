@@ -348,3 +348,39 @@ def test_hinted_search_finds_the_boundary_whatever_the_hints():
         if rng.random() < 0.3:
             hints.append(k)
         assert _wholly_cached(ext, cached.get, hints) == k, (n, k, hints)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_deferred_updates_decide_as_updates_at_insert(seed):
+    # With defer_updates an insert leaves its work to flush(); the next match, insert, advance
+    # or read flushes first, so every match and last_insert equals the undeferred index's, and
+    # forgetting or renumbering an instance applies what was left first.
+    rng = random.Random(200 + seed)
+    kind = seed % 4
+    kw = dict(max_blocks_per_request=None if kind != 1 else 70, eviction_interval_s=25.0 if kind == 3 else None,
+              ttl_s=40.0 if kind == 2 else None)
+    a, b = PrefixIndex(300, **kw), PrefixIndex(300, **kw)
+    a.limit_capacity(250)
+    b.limit_capacity(250)
+    b.defer_updates = True
+    prompts, left = [], 0
+    for t in range(1_500):
+        p = _trie_prompt(rng)
+        prompts.append(p)
+        i, now = rng.randrange(3), t * 0.5
+        for q in rng.sample(prompts, min(4, len(prompts))):
+            for j in (0, 1, 2):
+                assert b.match(j, q) == a.match(j, q), (seed, t, j)
+        a.insert(i, p, now)
+        b.insert(i, p, now)
+        assert b.last_insert == a.last_insert
+        left += b.due
+        if rng.random() < 0.3:
+            b.flush()
+            assert not b.due and b._inst[i].size == a._inst[i].size
+        if t % 500 == 499:  # an endpoint leaves: 2 is forgotten, 1 becomes 2, 0 stays
+            a.renumber({0: 0, 1: 2})
+            b.renumber({0: 0, 1: 2})
+    assert left > 1_000  # the deferral was exercised
+    assert [b.entries(i) for i in (0, 1, 2)] == [a.entries(i) for i in (0, 1, 2)]
+    assert_books(b)

@@ -337,6 +337,8 @@ class Router:
         self._prefix_match_precise = metrics.prefix_match_blocks.labels("precise")
         self._indexes: weakref.WeakKeyDictionary[Any, tuple[PrefixIndex, ...]] = weakref.WeakKeyDictionary()
         """Per live policy (the one, and each model's): its prefix indexes, found once."""
+        self._flush_pending = False
+        """A flush of the prefix indexes' deferred inserts is scheduled (:meth:`_flush_soon`)."""
         # Gauges read at scrape time from the bookkeeping itself: nothing to update per
         # request, and they cannot drift from it.
         metrics.queue_depth.set_function(self.queue.__len__)
@@ -375,7 +377,29 @@ class Router:
                 found = prefix_indexes(policy)
         for ix in found:
             ix.limit_capacity(self.prefix_capacity_blocks)
+            ix.defer_updates = True  # updated after the decision: _flush_soon
         return policy
+
+    def _flush_soon(self, indexes: tuple[PrefixIndex, ...]) -> None:
+        """Apply this decision's index insert (``PrefixIndex.defer_updates``) on the next event-loop
+        turn, after the request is on its way: a decision that sends a long prompt where it was
+        not cached inserts and evicts about as many entries as the prompt has chunks, most of the
+        pick's cost (``benchmarks/prefix_decision_cost.py``)."""
+        if self._flush_pending or not any(ix.due for ix in indexes):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on a loop (a direct call): at once
+            for ix in indexes:
+                ix.flush()
+            return
+        self._flush_pending = True
+        loop.call_soon(self._flush_indexes)
+
+    def _flush_indexes(self) -> None:
+        self._flush_pending = False
+        for ix in self._live_indexes():
+            ix.flush()
 
     def _indexes_of(self, policy: RoutingPolicy) -> tuple[PrefixIndex, ...]:
         found = self._indexes.get(policy)
@@ -1064,6 +1088,8 @@ class Router:
                     # views count it net of hits too); vLLM always computes the last token.
                     r.cached_tokens = min(m * ep.block_size, r.prompt_tokens - 1)
             self._assign(r, ep, now, reason)
+            if prefix_ix:
+                self._flush_soon(prefix_ix)
             if only is not _NO_KEY:
                 return
         if only is not _NO_KEY:

@@ -13,7 +13,7 @@ galloping search over the request's extents (O(log extents) lookups, fewer still
 other candidates gave for the same prompt). The LRU is kept over *runs* of extents touched together
 (:class:`_Run`, a radix tree's edges), so inserting a prompt costs one step per run on its cached
 path plus one per new extent, not one per extent: on 8K-token prompts with a cached history,
-10 us instead of 25 (43 with a TTL) per insert (``benchmarks/prefix_decision_cost.py``).
+11-12 us instead of 29-32 (50-52 with a TTL) per insert, the two measured alternately.
 
 Eviction, modelled on what matters for routing:
 
@@ -254,6 +254,14 @@ class PrefixIndex:
         self._inst: dict[int, _InstanceIndex] = {}
         self.hard_limit: int | None = None
         """Bound on every instance's blocks over any capacity set (:meth:`limit_capacity`); None: none."""
+        self.defer_updates = False
+        """Leave each insert's work (storing the prompt, evicting to capacity) to :meth:`flush`,
+        which the caller runs after its decision (routerd: on the next event-loop turn, once the
+        request is on its way; llm-d updates its index in ``PreRequest``, after scheduling). The
+        insert itself only finds :attr:`last_insert` (a match). The next :meth:`match`,
+        :meth:`insert`, :meth:`advance` or read of the entries flushes first, so every decision
+        sees the index as without deferral."""
+        self._pending: list[tuple[int, PrefixBlocks, float]] = []
         self._hints: tuple = ((), ())
         """The latest prefix matched (its extents) and the answers found for it (at most 4,
         :func:`_wholly_cached`'s hints): a decision asks every candidate about one prefix."""
@@ -287,6 +295,7 @@ class PrefixIndex:
         Raises:
             ValueError: ``blocks`` <= 0.
         """
+        self.flush()
         if blocks is not None and blocks <= 0:
             raise ValueError(f"PrefixIndex: capacity limit must be > 0 or None, got {blocks!r}")
         self.hard_limit = blocks
@@ -297,6 +306,7 @@ class PrefixIndex:
     def forget(self, instance: int) -> int:
         """Drop every entry of ``instance`` and its capacity (it starts empty, as a new instance);
         returns the blocks dropped (0 for an unknown instance)."""
+        self.flush()
         idx = self._inst.pop(instance, None)
         return 0 if idx is None else idx.size
 
@@ -307,16 +317,19 @@ class PrefixIndex:
         Raises:
             ValueError: two old instances mapped to one new instance.
         """
+        self.flush()
         if len(set(mapping.values())) != len(mapping):
             raise ValueError(f"PrefixIndex.renumber: two instances mapped to one: {mapping}")
         self._inst = {mapping[i]: idx for i, idx in self._inst.items() if i in mapping}
 
     def instances(self) -> list[int]:
         """Instances that have entries or a capacity."""
+        self.flush()
         return list(self._inst)
 
     def has_instance(self, instance: int) -> bool:
         """Whether ``instance`` has been given a capacity or an insert yet."""
+        self.flush()
         return instance in self._inst
 
     def set_capacity(self, instance: int, blocks: int | None) -> None:
@@ -325,6 +338,7 @@ class PrefixIndex:
         Raises:
             ValueError: ``blocks`` <= 0.
         """
+        self.flush()
         if blocks is not None and blocks <= 0:
             raise ValueError(f"PrefixIndex: capacity of instance {instance} must be > 0, got {blocks}")
         idx = self._get(instance)
@@ -336,16 +350,19 @@ class PrefixIndex:
 
     def size(self, instance: int) -> int:
         """Blocks ``instance``'s entries hold (may exceed capacity between periodic sweeps)."""
+        self.flush()
         idx = self._inst.get(instance)
         return 0 if idx is None else idx.size
 
     def entries(self, instance: int) -> list[tuple[int, int]]:
         """``(extent hash, leading blocks)`` of ``instance``, least recently inserted first."""
+        self.flush()
         idx = self._inst.get(instance)
         return [] if idx is None else idx.entries()
 
     def touch_times(self, instance: int) -> dict[int, float]:
         """Extent hash -> time (s) of its last insert, for ``instance``'s entries."""
+        self.flush()
         idx = self._inst.get(instance)
         return {} if idx is None else idx.touch_times()
 
@@ -360,6 +377,8 @@ class PrefixIndex:
         due at ``k * interval`` evicts what was there then: nothing is inserted between the
         sweep time and the first call after it, so one sweep at ``now`` is the same.
         """
+        if self._pending:
+            self.flush()
         if now <= self._now:
             return self._now  # nothing due; a clock stepping back (online jitter) stands still
         self._now = now
@@ -388,6 +407,8 @@ class PrefixIndex:
         """
         if prefix is None:
             return 0
+        if self._pending:
+            self.flush()
         idx = self._inst.get(instance)
         if idx is None or not idx.blocks:
             return 0
@@ -413,10 +434,25 @@ class PrefixIndex:
 
         Its first ``max_blocks_per_request`` blocks become believed cached and most recently
         used (head extents the most recent); evicts to capacity unless sweeps are periodic.
+        With :attr:`defer_updates`, that waits for :meth:`flush`; :attr:`last_insert` is set
+        either way.
         """
         now = self.advance(now)
         if prefix is None or prefix.num_blocks == 0:
             return
+        cap = self.max_blocks
+        if self.defer_updates:
+            # What the insert will find (test_match_at_insert_equals_match_before_insert).
+            inserted = prefix.num_blocks if cap is None or prefix.num_blocks <= cap else cap
+            self.last_insert = (instance, self.match(instance, prefix), inserted)
+            self._pending.append((instance, prefix, now))
+            return
+        matched, inserted = self._insert(instance, prefix, now)
+        self.last_insert = (instance, matched, inserted)
+
+    def _insert(self, instance: int, prefix: PrefixBlocks, now: float) -> tuple[int, int]:
+        """:meth:`insert`'s work at ``now`` (s, the index's clock already there); returns
+        ``(matched, inserted)`` blocks."""
         idx = self._get(instance)
         cap = self.max_blocks
         items: tuple[tuple[int, int], ...] | list[tuple[int, int]] = prefix.extents
@@ -458,11 +494,28 @@ class PrefixIndex:
             idx.lru[run] = None
         if k:
             idx.touch_head(prefix.extents, k, now)
-        self.last_insert = (instance, matched, inserted)
+        self._evict_after_insert(idx)
+        return matched, inserted
+
+    def _evict_after_insert(self, idx: _InstanceIndex) -> None:
         if self.eviction_interval_s is None:
             idx.evict_to_capacity()
         elif self.hard_limit is not None:
             idx.evict_to(self.hard_limit)
+
+    @property
+    def due(self) -> bool:
+        """Whether inserts wait for :meth:`flush` (``defer_updates``)."""
+        return bool(self._pending)
+
+    def flush(self) -> None:
+        """Apply the inserts (and their evictions) left to it (``defer_updates``), in order; a
+        no-op otherwise."""
+        pending = self._pending
+        if pending:
+            self._pending = []
+            for instance, prefix, now in pending:
+                self._insert(instance, prefix, now)
 
     @staticmethod
     def _repair(idx: _InstanceIndex, run: _Run) -> None:
