@@ -1,7 +1,8 @@
 """Decision cost with prefix scoring: one policy ``pick`` on routerd's instance views, with the
 request's prefix and, in the same run, with ``prefix=None`` (the load-only baseline), as a ratio.
 
-Setting: ``--instances`` (4 and 8) of ``llama3.1-8b-h100`` as routerd's own views
+Setting: each policy as routerd builds it in approximate mode (its ``prefix_source`` following
+the mode), ``--instances`` (4 and 8) of ``llama3.1-8b-h100`` as routerd's own views
 (:class:`routerd.daemon.state.EndpointState`, ``--load`` requests in flight on each, refreshed as
 routerd refreshes them before a decision). The policies' approximate indexes are populated the way
 routerd populates them, by picking: a warm-up of conversations (``--conversations`` per instance,
@@ -46,6 +47,7 @@ import time
 
 import numpy as np
 
+from routerd.daemon.app import _with_prefix_source
 from routerd.daemon.config import PolicyConfig, PrefixConfig
 from routerd.daemon.prefix import PrefixIdentity
 from routerd.daemon.router import build_routing_policy, prefix_indexes
@@ -86,6 +88,14 @@ def views(prof, m: int, load: int, rng: np.random.Generator) -> list[EndpointSta
     return eps
 
 
+def flush(ix) -> None:
+    """Apply ``ix``'s deferred inserts (an index from before ``defer_updates`` has none: measured
+    as it is, with ``PYTHONPATH`` pointing at an older checkout)."""
+    fn = getattr(ix, "flush", None)
+    if fn is not None:
+        fn()
+
+
 def features(rid: int, tokens: int, prefix) -> RequestFeatures:
     return RequestFeatures(rid, 0.0, tokens, 1, 400.0, None, prefix)
 
@@ -114,7 +124,9 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
     cpu_out: list[float] = []
     matched = []
     for with_prefix in (True, False):
-        policy = build_routing_policy(PolicyConfig(name=name), prof, m, near_tie=0.05)
+        # As routerd builds it in approximate mode: prefix_source follows the mode (these views have
+        # no KV events; precise mode's engine lookups are another cost, not measured here).
+        policy = build_routing_policy(_with_prefix_source(PolicyConfig(name=name), "approximate"), prof, m, near_tie=0.05)
         for ix in prefix_indexes(policy):
             ix.limit_capacity(262_144)  # routerd's default bound
             ix.defer_updates = True  # as routerd: updated after the decision (Router._flush_soon)
@@ -124,13 +136,13 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
                 for ep in eps:
                     ix.set_capacity(ep.index, max(1, ep.kv_total_blocks)) if not ix.has_instance(ep.index) else None
                     ix.insert(ep.index, ident.blocks_for(convs[0]), now)
-                    ix.flush()
+                    flush(ix)
         else:
             for c, text in enumerate(convs):  # the warm-up: every conversation's history sent once
                 view = ClusterView(now, eps, 1)
                 policy.pick(features(c, tokens, ident.blocks_for(text[:hist]) if with_prefix else None), view)
                 for ix in prefix_indexes(policy):
-                    ix.flush()
+                    flush(ix)
         gc.collect()
         ns: list[int] = []
         cpu_ns: list[int] = []
@@ -150,7 +162,7 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
             t, c = wall() - t, cpu() - c
             a = cpu()
             for ix in ixs:  # routerd's next event-loop turn, after the request is on its way
-                ix.flush()
+                flush(ix)
             a = cpu() - a
             ns.append(t)
             cpu_ns.append(c)

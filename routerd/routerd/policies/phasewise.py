@@ -142,12 +142,18 @@ class Phasewise(RoutingPolicy):
             t_dec = a + k_seq * B + k_ctx * s.sum_prompt_and_predicted
             k = k_pf + t_dec / budget
             attn = k_attn * u * (cached + u)
-            q_tokens, q_attended = pending_prefill_work(inst)
+            ppw = getattr(inst, "pending_prefill_work", None)  # the helper's fast path, inline
+            if ppw is not None:
+                q_tokens, q_attended = ppw()
+                q_tokens, q_attended = int(q_tokens), int(q_attended)
+            else:
+                q_tokens, q_attended = pending_prefill_work(inst)
             ttft = k * (q_tokens + u) + k_attn * q_attended + attn
             cost = ttft + w_dec * out * (t_dec + own_step) + w_int * B * (k_pf * u + attn)
             usable = int(inst.kv_total_blocks * keep)
             need = min(need_full - h, usable)
-            deficit = need - (usable - inst.kv_used_blocks - waiting_kv_blocks(inst))
+            wkv = getattr(inst, "waiting_kv_blocks", None)  # the helper's fast path, inline
+            deficit = need - (usable - inst.kv_used_blocks - (wkv() if wkv is not None else waiting_kv_blocks(inst)))
             fits = inst.num_running + inst.num_waiting < max_seqs and deficit <= 0
             if deficit > 0:
                 # vLLM makes room by preempting and later recomputing about as many tokens.
