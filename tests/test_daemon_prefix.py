@@ -312,6 +312,8 @@ def test_index_updates_wait_for_the_next_loop_turn_not_the_decision():
         assert not ix.due and all(ix._inst[e.index].size == 300 for e in r.endpoints)
         assert ix.match(ep.index, p) == 20
         assert value(r, "phasewise_prefix_match_blocks_count", source="approximate") == 102
+        # One timed update per loop turn that had inserts to apply: 100 + the last one.
+        assert value(r, "phasewise_prefix_index_update_seconds_count") == 101
 
     asyncio.run(main())
 

@@ -143,6 +143,11 @@ class Metrics:
             "decision on a prompt of at least one block, by where the belief comes from (source: approximate = "
             "the policy's own dispatch history, precise = the engine's KV events).", ["source"],
             buckets=_PREFIX_BLOCK_BUCKETS, registry=r)
+        self.prefix_update_time = Histogram(
+            "phasewise_prefix_index_update_seconds",
+            "Time to store decisions' prompts in the policies' approximate prefix indexes and evict to their "
+            "bounds, run on the event loop's next turn after the decisions (s).",
+            buckets=_DECISION_BUCKETS, registry=r)
         self.prefix_prompt_blocks = Histogram(
             "phasewise_prefix_prompt_blocks",
             "KV blocks hashed per request prompt (at most prefix.max_prompt_tokens / block_size).",

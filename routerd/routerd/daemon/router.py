@@ -390,16 +390,21 @@ class Router:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # not on a loop (a direct call): at once
-            for ix in indexes:
-                ix.flush()
+            self._flush_indexes(indexes)
             return
         self._flush_pending = True
         loop.call_soon(self._flush_indexes)
 
-    def _flush_indexes(self) -> None:
-        self._flush_pending = False
-        for ix in self._live_indexes():
+    def _flush_indexes(self, indexes: "tuple[PrefixIndex, ...] | list[PrefixIndex] | None" = None) -> None:
+        """Apply the deferred inserts of ``indexes`` (None: every live policy's), timed in
+        ``phasewise_prefix_index_update_seconds``."""
+        if indexes is None:
+            self._flush_pending = False
+            indexes = self._live_indexes()
+        t0 = time.perf_counter()
+        for ix in indexes:
             ix.flush()
+        self.metrics.prefix_update_time.observe(time.perf_counter() - t0)
 
     def _indexes_of(self, policy: RoutingPolicy) -> tuple[PrefixIndex, ...]:
         found = self._indexes.get(policy)

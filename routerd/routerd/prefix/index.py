@@ -160,8 +160,8 @@ class _InstanceIndex:
             self._drop(run)
 
     def touch_head(self, ext: "Sequence[tuple[int, int]]", k: int, now: float) -> None:
-        """Make the entries of ``ext[:k]`` (a prompt's first ``k`` extents, all stored)
-        the most recently used, head last, as touching them one by one tail first would.
+        """Make the entries of ``ext[:k]`` (a prompt's first ``k`` extents, stored) the most
+        recently used, head last, as touching them one by one tail first would.
 
         Walks the runs on the path deepest first: a run covered whole moves; one covered in
         part (its top only: a run is a chain segment) is split, its deep rest left in place.
@@ -172,8 +172,13 @@ class _InstanceIndex:
             h = ext[d][0]
             run = run_of.get(h)
             if run is None:
-                # Not stored after all (equal hashes with unequal blocks, against the chain
-                # invariant): skipped; the books stay whole, only this match is lost.
+                # Not stored after all (hashes against the chain invariant, or an extent of no
+                # blocks): stored now, at its place in the touch order, as one extent at a time.
+                m = ext[d][1]
+                self.blocks[h] = m
+                self.size += m
+                run_of[h] = new = _Run([h], d, now, m)
+                lru[new] = None
                 d -= 1
                 continue
             rk = run.keys
@@ -261,7 +266,8 @@ class PrefixIndex:
         insert itself only finds :attr:`last_insert` (a match). The next :meth:`match`,
         :meth:`insert`, :meth:`advance` or read of the entries flushes first, so every decision
         sees the index as without deferral."""
-        self._pending: list[tuple[int, PrefixBlocks, float]] = []
+        self._pending: list[tuple] = []
+        """Deferred inserts: :meth:`_insert`'s arguments, in order."""
         self._hints: tuple = ((), ())
         """The latest prefix matched (its extents) and the answers found for it (at most 4,
         :func:`_wholly_cached`'s hints): a decision asks every candidate about one prefix."""
@@ -440,43 +446,61 @@ class PrefixIndex:
         now = self.advance(now)
         if prefix is None or prefix.num_blocks == 0:
             return
-        cap = self.max_blocks
-        if self.defer_updates:
-            # What the insert will find (test_match_at_insert_equals_match_before_insert).
-            inserted = prefix.num_blocks if cap is None or prefix.num_blocks <= cap else cap
-            self.last_insert = (instance, self.match(instance, prefix), inserted)
-            self._pending.append((instance, prefix, now))
-            return
-        matched, inserted = self._insert(instance, prefix, now)
-        self.last_insert = (instance, matched, inserted)
-
-    def _insert(self, instance: int, prefix: PrefixBlocks, now: float) -> tuple[int, int]:
-        """:meth:`insert`'s work at ``now`` (s, the index's clock already there); returns
-        ``(matched, inserted)`` blocks."""
         idx = self._get(instance)
+        items = self._items(prefix)
+        k, head, old = self._found(idx, items, prefix)
+        inserted = prefix.num_blocks if items is prefix.extents else self.max_blocks
+        self.last_insert = (instance, head + old, inserted)
+        if self.defer_updates:
+            # The state the insert will meet is this one (anything else flushes first), so what
+            # it found now is what it would find then, colliding hashes included.
+            self._pending.append((idx, items, k, head, old, now))
+            return
+        self._insert(idx, items, k, head, old, now)
+
+    def _items(self, prefix: PrefixBlocks) -> "Sequence[tuple[int, int]]":
+        """``prefix``'s extents up to ``max_blocks_per_request`` blocks (the last one cut)."""
         cap = self.max_blocks
-        items: tuple[tuple[int, int], ...] | list[tuple[int, int]] = prefix.extents
-        if cap is not None and prefix.num_blocks > cap:
-            items, remaining = [], cap
-            for h, n in prefix.extents:
-                if remaining <= 0:
-                    break
-                m = n if n < remaining else remaining
-                items.append((h, m))
-                remaining -= m
+        if cap is None or prefix.num_blocks <= cap:
+            return prefix.extents
+        items, remaining = [], cap
+        for h, n in prefix.extents:
+            if remaining <= 0:
+                break
+            m = n if n < remaining else remaining
+            items.append((h, m))
+            remaining -= m
+        return items
+
+    def _found(self, idx: _InstanceIndex, items: "Sequence[tuple[int, int]]",
+               prefix: PrefixBlocks) -> tuple[int, int, int]:
+        """``(k, head, old)``: how many leading ``items`` are wholly stored, their blocks, and the
+        blocks stored of item ``k`` (the match is ``head + old``). Up to 8 items a walk (as
+        :meth:`match`), past that the galloping search with this decision's hints."""
+        get = idx.blocks.get
+        n = len(items)
+        if n <= 8:
+            k = 0
+            while k < n and get(items[k][0], 0) >= items[k][1]:
+                k += 1
+        else:
+            seen, hints = self._hints
+            k = _wholly_cached(items, get, hints if seen is prefix.extents else ())
+        head = _leading_blocks(items, k, prefix.num_blocks if items is prefix.extents else None)
+        return k, head, (get(items[k][0], 0) if k < n else 0)
+
+    def _insert(self, idx: _InstanceIndex, items: "Sequence[tuple[int, int]]", k: int, head: int, old: int,
+                now: float) -> None:
+        """:meth:`insert`'s work at ``now`` (s, the index's clock already there), with what
+        :meth:`_found` found in this same state."""
         blocks = idx.blocks
         n = len(items)
         # The first ``k`` extents are wholly here, the rest not (and, past extent k, absent:
         # _wholly_cached's invariant). As touching them one at a time tail first would: extents
         # k.. become one new run (extent k grown, the absent ones added), then the cached head
         # moves to the most recent end run by run, head last.
-        seen, hints = self._hints
-        k = _wholly_cached(items, blocks.get, hints if seen is prefix.extents else ())
-        matched = inserted = _leading_blocks(items, k, prefix.num_blocks if items is prefix.extents else None)
         if k < n:
             hk, mk = items[k]
-            old = blocks.get(hk, 0)
-            matched += old
             if old:
                 idx.detach(hk)
             rest = items[k + 1:]
@@ -485,7 +509,6 @@ class PrefixIndex:
             blocks.update(rest)
             blocks[hk] = mk
             added = sum(map(itemgetter(1), rest))
-            inserted += mk + added
             idx.size += added + mk - old
             run = _Run(new_keys, k, now, mk + added)
             if len(blocks) - before != len(rest) + (0 if old else 1):
@@ -493,9 +516,8 @@ class PrefixIndex:
             idx.run_of.update(zip(run.keys, repeat(run)))
             idx.lru[run] = None
         if k:
-            idx.touch_head(prefix.extents, k, now)
+            idx.touch_head(items, k, now)
         self._evict_after_insert(idx)
-        return matched, inserted
 
     def _evict_after_insert(self, idx: _InstanceIndex) -> None:
         if self.eviction_interval_s is None:
@@ -514,8 +536,8 @@ class PrefixIndex:
         pending = self._pending
         if pending:
             self._pending = []
-            for instance, prefix, now in pending:
-                self._insert(instance, prefix, now)
+            for args in pending:
+                self._insert(*args)
 
     @staticmethod
     def _repair(idx: _InstanceIndex, run: _Run) -> None:
