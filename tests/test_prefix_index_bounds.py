@@ -262,6 +262,13 @@ def _trie_prompt(rng, max_depth=40):
     return pb(*ext)
 
 
+def _index_kinds(seed):
+    """Index settings by ``seed % 4``: on-insert eviction, a cap per request, a TTL, periodic sweeps."""
+    kind = seed % 4
+    return dict(max_blocks_per_request=None if kind != 1 else 70, eviction_interval_s=25.0 if kind == 3 else None,
+                ttl_s=40.0 if kind == 2 else None)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_runs_keep_the_per_extent_lru_order(seed):
     # The index keeps runs of extents touched together; its entries, sizes, touch times and
@@ -269,9 +276,7 @@ def test_runs_keep_the_per_extent_lru_order(seed):
     # (splits), longer turns of earlier prompts (runs moved whole), partial last units, caps per
     # request, capacity trimming, TTL expiry and periodic sweeps.
     rng = random.Random(100 + seed)
-    kind = seed % 4
-    kw = dict(max_blocks_per_request=None if kind != 1 else 70, eviction_interval_s=25.0 if kind == 3 else None,
-              ttl_s=40.0 if kind == 2 else None)
+    kw = _index_kinds(seed)
     a, b = PrefixIndex(300, **kw), FlatReference(300, **kw)
     earlier = []
     for t in range(1_500):
@@ -356,9 +361,7 @@ def test_deferred_updates_decide_as_updates_at_insert(seed):
     # or read flushes first, so every match and last_insert equals the undeferred index's, and
     # forgetting or renumbering an instance applies what was left first.
     rng = random.Random(200 + seed)
-    kind = seed % 4
-    kw = dict(max_blocks_per_request=None if kind != 1 else 70, eviction_interval_s=25.0 if kind == 3 else None,
-              ttl_s=40.0 if kind == 2 else None)
+    kw = _index_kinds(seed)
     a, b = PrefixIndex(300, **kw), PrefixIndex(300, **kw)
     a.limit_capacity(250)
     b.limit_capacity(250)
