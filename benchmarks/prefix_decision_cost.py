@@ -126,7 +126,8 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
     for with_prefix in (True, False):
         # As routerd builds it in approximate mode: prefix_source follows the mode (these views have
         # no KV events; precise mode's engine lookups are another cost, not measured here).
-        policy = build_routing_policy(_with_prefix_source(PolicyConfig(name=name), "approximate"), prof, m, near_tie=0.05)
+        cfg = _with_prefix_source(PolicyConfig(name=name), "approximate")
+        policy = build_routing_policy(cfg, prof, m, near_tie=0.05)
         for ix in prefix_indexes(policy):
             ix.limit_capacity(262_144)  # routerd's default bound
             ix.defer_updates = True  # as routerd: updated after the decision (Router._flush_soon)

@@ -454,9 +454,9 @@ class PrefixIndex:
         if self.defer_updates:
             # The state the insert will meet is this one (anything else flushes first), so what
             # it found now is what it would find then, colliding hashes included.
-            self._pending.append((idx, items, k, head, old, now))
+            self._pending.append((idx, items, k, old, now))
             return
-        self._insert(idx, items, k, head, old, now)
+        self._insert(idx, items, k, old, now)
 
     def _items(self, prefix: PrefixBlocks) -> "Sequence[tuple[int, int]]":
         """``prefix``'s extents up to ``max_blocks_per_request`` blocks (the last one cut)."""
@@ -489,8 +489,7 @@ class PrefixIndex:
         head = _leading_blocks(items, k, prefix.num_blocks if items is prefix.extents else None)
         return k, head, (get(items[k][0], 0) if k < n else 0)
 
-    def _insert(self, idx: _InstanceIndex, items: "Sequence[tuple[int, int]]", k: int, head: int, old: int,
-                now: float) -> None:
+    def _insert(self, idx: _InstanceIndex, items: "Sequence[tuple[int, int]]", k: int, old: int, now: float) -> None:
         """:meth:`insert`'s work at ``now`` (s, the index's clock already there), with what
         :meth:`_found` found in this same state."""
         blocks = idx.blocks
