@@ -205,6 +205,35 @@ def test_precise_mode_with_a_model_tokenizer_keys_completions_not_chat(caplog, t
         caplog.records[0].getMessage()
 
 
+def test_no_events_is_said_only_once_a_request_there_waited_for_them(caplog):
+    # An idle engine publishes nothing and is not misconfigured (found by a fresh-user pass: every
+    # healthy idle engine got the "check --kv-events-config" warning). The warning waits until a
+    # request sent there has had stale_after_s to bring its events; the fallback is counted always.
+    from types import SimpleNamespace
+
+    from routerd.prefix.engine_index import EngineBlockIndex
+
+    now = [0.0]
+    idx = EngineBlockIndex(16, stale_after_s=10.0, clock=lambda: now[0])
+    m = Metrics()
+    d = SimpleNamespace(metrics=m, _fallback_said=set(), _kv_subs={"e0": (("tcp://127.0.0.1:5599",), idx)},
+                        settings=Settings.model_validate({"prefix": {"mode": "precise"}}))
+    with caplog.at_level(logging.WARNING, logger="routerd.daemon.app"):
+        now[0] = 60.0
+        Daemon._prefix_fallback(d, "e0", "no_events")  # idle a minute: nothing to say
+        idx.note_dispatch(4)
+        now[0] = 65.0
+        Daemon._prefix_fallback(d, "e0", "no_events")  # 5 s after a request: not yet
+        assert caplog.records == []
+        now[0] = 70.0
+        Daemon._prefix_fallback(d, "e0", "no_events")
+        Daemon._prefix_fallback(d, "e0", "no_events")  # once
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "e0's KV-event index (tcp://127.0.0.1:5599)" in said[0] and "--kv-events-config" in said[0]
+    assert m.registry.get_sample_value("phasewise_prefix_fallbacks_total",
+                                       {"endpoint": "e0", "reason": "no_events"}) == 4
+
+
 def test_an_unquoted_yaml_off_is_mode_off(tmp_path):
     f = tmp_path / "r.yaml"
     f.write_text("prefix: {mode: off}\n")  # YAML 1.1: off is false

@@ -397,3 +397,16 @@ def test_random_events_agree_with_a_multiset_of_token_prefixes(seq_ops, per_batc
         while expect < len(path) and present.get(path[: expect + 1], 0) > 0:
             expect += 1
         assert f.idx.cached_blocks(token_prefix_blocks(_tokens(path), BS)) == expect, path
+
+
+def test_awaiting_for_runs_from_the_first_dispatch_that_expects_events():
+    now = [100.0]
+    idx = EngineBlockIndex(BS, stale_after_s=None, clock=lambda: now[0])
+    idx.note_dispatch(0)  # nothing new for the engine to store: nothing expected
+    assert idx.awaiting_for is None
+    idx.note_dispatch(3)
+    now[0] = 104.5
+    idx.note_dispatch(2)  # already awaiting: the clock keeps its start
+    assert idx.awaiting_for == 4.5
+    idx.apply(EventBatch(1.0, [], 0), 0)  # a batch came
+    assert idx.awaiting_for is None

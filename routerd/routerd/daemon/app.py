@@ -193,8 +193,6 @@ class Daemon:
         """Per endpoint name: (what it was subscribed with, its EngineBlockIndex)."""
         self._kv_dup_warned: set[tuple] = set()
         self._fallback_said: set[tuple[str, str]] = set()
-        self._kv_since: dict[str, float] = {}
-        """Monotonic time each endpoint was subscribed (s)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._http_server: asyncio.AbstractServer | None = None
@@ -490,7 +488,6 @@ class Daemon:
             addr, topic, bs, max_blocks, stale_s = key
             idx = EngineBlockIndex(bs, max_blocks=max_blocks, stale_after_s=stale_s)
             self._kv_subs[name] = (key, idx)
-            self._kv_since[name] = time.monotonic()
             self.metrics.engine_index(name, idx)
             if name in self._kv:
                 self._background(self._kv_replace(name, (addr, topic, idx)))  # the old one closes first
@@ -510,10 +507,11 @@ class Daemon:
             return
         sub = self._kv_subs.get(name)
         if reason == "no_events":
-            # Normal until the engine's first batch (an engine that stored nothing yet publishes
-            # nothing): said only once it has had stale_after_s to publish.
-            since = self._kv_since.get(name)
-            if since is not None and time.monotonic() - since < self.settings.prefix.kv_events.stale_after_s:
+            # Normal until the engine's first batch: an idle engine, or one that stored nothing
+            # yet, publishes nothing. Said only once a request sent there had stale_after_s to
+            # bring its events.
+            waited = sub[1].awaiting_for if sub is not None else None
+            if waited is None or waited < self.settings.prefix.kv_events.stale_after_s:
                 return
             why = ("no KV events received yet: check that the engine runs with --kv-events-config and that its "
                    "endpoint binds (vLLM binds only an endpoint with '*', e.g. tcp://*:5557; tcp://HOST:PORT "

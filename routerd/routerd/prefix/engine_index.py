@@ -280,6 +280,15 @@ class EngineBlockIndex:
         if uncached_blocks > 0 and self._awaiting_since is None:
             self._awaiting_since = self._clock()
 
+    @property
+    def awaiting_for(self) -> float | None:
+        """Seconds (this index's clock) since a dispatched request first made the engine due to
+        publish ``BlockStored`` events and none came (:meth:`note_dispatch`); None while nothing
+        is awaited. What tells an engine that publishes nowhere from one that has had nothing to
+        store."""
+        since = self._awaiting_since
+        return None if since is None else self._clock() - since
+
     # --- state, for metrics and tests ---------------------------------------------------------
 
     @property
