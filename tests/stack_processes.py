@@ -310,6 +310,19 @@ class Stack:
         for p in procs:
             p.wait(max(0.1, deadline - time.monotonic()))
 
+    def start_for(self, request: Any) -> "Stack":
+        """:meth:`start`, with a pytest finalizer on ``request`` that closes the stack and fails
+        when one of its processes outlived it; returns the stack."""
+
+        def finalize() -> None:
+            left = self.close_checked()
+            assert not left, f"processes of the stack left running after teardown: {left}"
+            assert all(not p.alive() for p in self.all_processes())
+
+        request.addfinalizer(finalize)
+        self.start()
+        return self
+
     def close_checked(self, timeout_s: float = 15.0) -> list[tuple[int, str]]:
         """:meth:`close`, then SIGKILL every process still carrying this stack's marker (a child
         that outlived its parent); returns those (pid, command line): empty when none leaked."""

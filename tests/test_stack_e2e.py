@@ -51,14 +51,7 @@ def stack(tmp_path_factory, request):
     s = Stack(tmp_path_factory.mktemp("stack"), n=3, emulator_flags=("--profile", PROFILE))
     s.expected = Counter()  # HTTP status -> inference requests the tests sent through routerd
     s.rejected = Counter()  # reason -> requests among them that routerd refuses itself
-
-    def finalize() -> None:
-        left = s.close_checked()
-        assert not left, f"processes of the stack left running after teardown: {left}"
-        assert all(not p.alive() for p in s.all_processes())
-
-    request.addfinalizer(finalize)
-    s.start()
+    s.start_for(request)
     wait_until(lambda: router_state(s), lambda st: _all_fresh(s, st), TIMEOUT_S,
                "routerd holding fresh sidecar state of every endpoint")
     return s

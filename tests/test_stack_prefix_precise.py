@@ -82,13 +82,7 @@ def stack(tmp_path_factory, request):
     s = Stack(tmp_path_factory.mktemp("prefix-precise"), n=N_EMULATORS, kv_events=True,
               emulator_flags=("--profile", PROFILE, "--default-max-tokens", str(MAX_TOKENS)),
               config=_settings("llmd"))
-
-    def finalize() -> None:
-        left = s.close_checked()
-        assert not left, f"processes of the stack left running after teardown: {left}"
-
-    request.addfinalizer(finalize)
-    s.start()
+    s.start_for(request)
     s.reloads = 0
     return s
 
@@ -137,6 +131,17 @@ def _fresh_caches(s: Stack, names: list[str]) -> None:
         return todo
 
     wait_until(probe, lambda todo: not todo, TIMEOUT_S, "routerd's engine indexes exact and empty", interval_s=0.2)
+
+
+def _fresh_driver(s: Stack, request, policy: str) -> "tuple[CacheModel, Driver]":
+    """routerd on ``policy``, every emulator's cache empty, and a driver of conversations against
+    a model of those caches (closed after the test)."""
+    _reconfigure(s, policy)
+    _fresh_caches(s, s.names)
+    model = CacheModel(s.names)
+    d = Driver(s, model, set(s.names))
+    request.addfinalizer(d.close)
+    return model, d
 
 
 def _counters(s: Stack) -> dict[str, tuple[float, float, float]]:
@@ -293,11 +298,7 @@ def test_conversations_follow_the_engines_caches(stack, policy, request):
     model's, counted once per decision; no fallback, no stale index; each engine index holds
     exactly its emulator's blocks."""
     s = stack
-    _reconfigure(s, policy)
-    _fresh_caches(s, s.names)
-    model = CacheModel(s.names)
-    d = Driver(s, model, set(s.names))
-    request.addfinalizer(d.close)
+    model, d = _fresh_driver(s, request, policy)
     m0 = routerd_metrics(s)
     convs = [Conversation(j, f"{policy}-precise") for j in range(6)]
     for _ in range(4):
@@ -347,11 +348,7 @@ def test_publisher_killed_and_restarted(stack, request):
       later turns routed to the restarted endpoint are matched precisely again.
     """
     s = stack
-    _reconfigure(s, "llmd")
-    _fresh_caches(s, s.names)
-    model = CacheModel(s.names)
-    d = Driver(s, model, set(s.names))
-    request.addfinalizer(d.close)
+    model, d = _fresh_driver(s, request, "llmd")
     victim = s.names[0]
     vi = 0
     convs = [Conversation(j, "restart") for j in range(N_EMULATORS)]
@@ -425,11 +422,7 @@ def test_malformed_events(stack, request):
     batch after the garbage is applied. The other endpoints stay precise: no fallback, exact
     hits, their indexes answering."""
     s = stack
-    _reconfigure(s, "llmd")
-    _fresh_caches(s, s.names)
-    model = CacheModel(s.names)
-    d = Driver(s, model, set(s.names))
-    request.addfinalizer(d.close)
+    model, d = _fresh_driver(s, request, "llmd")
     convs = [Conversation(j, "malformed") for j in range(N_EMULATORS)]
     for conv in convs:
         d.turn(conv)

@@ -44,13 +44,7 @@ def stack(tmp_path_factory, request):
     s = Stack(tmp_path_factory.mktemp("prefix-stack"), n=N_EMULATORS, sidecars=False,
               emulator_flags=("--fixed-timing", "0.002,0.001", "--default-max-tokens", "24"),
               config=_settings("llmd", "approximate"))
-
-    def finalize() -> None:
-        left = s.close_checked()
-        assert not left, f"processes of the stack left running after teardown: {left}"
-
-    request.addfinalizer(finalize)
-    s.start()
+    s.start_for(request)
     s.reloads = 0
     return s
 
