@@ -424,3 +424,42 @@ def test_an_extent_of_no_blocks_is_stored_as_one_at_a_time_would():
         x.insert(0, pb((1, 2)), 0.0)
         x.insert(0, pb((1, 2), (2, 0), (3, 2)), 1.0)
     assert a.entries(0) == r.entries(0) == [(3, 2), (2, 0), (1, 2)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_uniform_extents_match_as_the_linear_walk(seed):
+    # routerd's prompts have extents of one size (PrefixBlocks.unit), so a match's leading blocks
+    # are k * unit. Checked against the linear walk and against the same prompts without unit
+    # (the running-sum path), with a per-request cap that cuts an extent (seeds 1, 2), for
+    # matches and for the match at insert.
+    from routerd.prefix.chain import matched_blocks
+
+    rng = random.Random(seed)
+    unit = (1, 4, 3)[seed]
+    cap = None if seed == 0 else 10 * unit + 1  # keeps 10 extents whole and 1 block of the 11th
+    ix = PrefixIndex(400, max_blocks_per_request=cap)
+    ref = PrefixIndex(400, max_blocks_per_request=cap)
+    prompts = []
+    for t in range(800):
+        keys, h = [], 0
+        for _ in range(rng.randrange(1, 40)):
+            h = h * 4 + rng.randrange(4) + 1  # a 4-ary trie: many shared heads
+            keys.append(h)
+        p = PrefixBlocks(tuple((k, unit) for k in keys), unit * len(keys), 0, unit)
+        prompts.append(p)
+        for q in (p, *rng.sample(prompts, min(3, len(prompts)))):
+            for i in (0, 1):
+                want = matched_blocks(q.extents, dict(ix.entries(i)))
+                if cap is not None:
+                    want = min(want, cap)
+                assert ix.match(i, q) == want == ref.match(i, PrefixBlocks(q.extents, q.num_blocks)), (seed, t, i)
+        j = rng.randrange(2)
+        ix.insert(j, p, float(t))
+        ref.insert(j, PrefixBlocks(p.extents, p.num_blocks), float(t))
+        assert ix.last_insert == ref.last_insert, (seed, t)
+
+
+def test_routerd_prompts_carry_their_extent_size():
+    # 3 chunks of 4 blocks of 16 tokens (256 bytes each): unit 4, 12 blocks.
+    p = text_prefix_blocks("x" * (3 * 256 + 10), 16, chunk_blocks=4)
+    assert (len(p.extents), p.num_blocks, p.unit) == (3, 12, 4)

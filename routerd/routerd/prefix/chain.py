@@ -22,7 +22,7 @@ its full blocks are still the first blocks of that id (``prefix-routing.md`` §4
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import xxhash
@@ -55,6 +55,11 @@ class PrefixBlocks:
     """Full blocks in all (the sum of the extents' ``n``)."""
     tail: int = 0
     """Chain hash after the last unit (continues the chain, e.g. into the response)."""
+    unit: int = field(default=0, compare=False)
+    """Blocks in every extent when they all have the same count (routerd's prompts: one extent
+    per ``chunk_blocks`` chunk or per block), else 0. With it the blocks in the first ``k``
+    extents are ``k * unit``, found in O(1) by the index's matches instead of a running sum
+    over the extents (:func:`routerd.prefix.index._leading_blocks`)."""
 
     def common_blocks(self, other: "PrefixBlocks") -> int:
         """Leading blocks the two sequences share (blocks)."""

@@ -429,7 +429,8 @@ class PrefixIndex:
             k = _wholly_cached(ext, get, hints)
             if k not in hints:
                 self._hints = (ext, (k, *hints[:3]))
-            m = _leading_blocks(ext, k, prefix.num_blocks)
+            unit = prefix.unit
+            m = unit * k if unit else _leading_blocks(ext, k, prefix.num_blocks)
             if k < len(ext):
                 m += get(ext[k][0], 0)  # the cached blocks of the first extent not wholly cached
         cap = self.max_blocks
@@ -486,7 +487,11 @@ class PrefixIndex:
         else:
             seen, hints = self._hints
             k = _wholly_cached(items, get, hints if seen is prefix.extents else ())
-        head = _leading_blocks(items, k, prefix.num_blocks if items is prefix.extents else None)
+        unit = prefix.unit
+        if unit and (items is prefix.extents or k < n):
+            head = unit * k  # a cut keeps every extent before its last whole
+        else:
+            head = _leading_blocks(items, k, prefix.num_blocks if items is prefix.extents else None)
         return k, head, (get(items[k][0], 0) if k < n else 0)
 
     def _insert(self, idx: _InstanceIndex, items: "Sequence[tuple[int, int]]", k: int, old: int, now: float) -> None:
@@ -594,6 +599,17 @@ def _wholly_cached(ext: "Sequence[tuple[int, int]]", get, hints: "Sequence[int]"
         if get(h, 0) < c:
             return 0
         lo = 0
+    if hi == n and n > 2:
+        # A decision's first candidate has no hint; a routed prompt is mostly a cached history
+        # plus a short new tail (a conversation's next turn), so try "all" and "all but the
+        # last extent" first: 2 lookups there instead of a gallop's 2 log2(n).
+        h, c = ext[n - 1]
+        if get(h, 0) >= c:
+            return n
+        h, c = ext[n - 2]
+        if get(h, 0) >= c:
+            return n - 1
+        hi = n - 2
     step = 1
     while True:
         probe = lo + step

@@ -121,7 +121,7 @@ def _chain(units: np.ndarray, root: int) -> list[int]:
 
 def _blocks(keys: list[int], per: int = 1) -> PrefixBlocks:
     ext = tuple(zip(keys, repeat(per)))
-    return PrefixBlocks(ext, per * len(ext), keys[-1] if keys else 0)
+    return PrefixBlocks(ext, per * len(ext), keys[-1] if keys else 0, per)
 
 
 def _check(block_size: int, max_blocks: int | None) -> None:
