@@ -8,7 +8,7 @@ import pytest
 
 from routerd.daemon import cli
 from routerd.daemon.app import Daemon
-from routerd.daemon.config import DEFAULT_MAX_BODY_BYTES, load_settings
+from routerd.daemon.config import DEFAULT_MAX_BODY_BYTES, Settings, load_settings
 from routerd.errors import ConfigError
 
 
@@ -99,8 +99,11 @@ def test_policy_profile_and_predictor_are_checked_at_start():
     with pytest.raises(ConfigError, match=r"^flag --policy: policy\.params\.reserve_fraction: "):
         load_settings(None, environ={}, overrides={"policy": {"name": "late_binding", "params": {"reserve_fraction": 3}}},
                       override_flags={"policy": "--policy"})
+    # The profile is checked with the settings too (naming its source), and again by the daemon.
+    with pytest.raises(ConfigError, match="^command line: profile: unknown profile 'no-such-profile'"):
+        load_settings(None, environ={}, overrides={"profile": "no-such-profile"})
     with pytest.raises(ConfigError, match="^profile: "):
-        Daemon(load_settings(None, environ={}, overrides={"profile": "no-such-profile"}))
+        Daemon(Settings(profile="no-such-profile"))
     with pytest.raises(ConfigError, match="^predictor: unknown predictor 'nope'"):
         Daemon(load_settings(None, environ={}, overrides={"predictor": "nope"}))
 
@@ -193,3 +196,28 @@ def test_missing_extras_through_the_real_loaders(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=r"^predictor: .*scikit-learn.*pip install 'phasewise\[predictor-train\]'"):
         load_length_predictor("length-only")
     assert load_length_predictor("default") is not None
+
+
+def test_one_run_names_field_errors_and_the_profile_checks_together(tmp_path):
+    # Three field mistakes and a prefix.block_size that the profile contradicts (16-token blocks):
+    # all four in one error, each with the file; alone, the mismatch still names the file.
+    p = tmp_path / "r.yaml"
+    p.write_text("endpoints: [{name: a, url: 'http://127.0.0.1:8100', extra: 1}]\n"
+                 "policy: {name: late_binding, params: {reserve_fraction: 2}}\n"
+                 "profile: llama2-7b-a100\nprefix: {block_size: 32}\nstatee: {}\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(p, environ={})
+    lines = str(e.value).splitlines()
+    assert lines[0] == "4 configuration errors:"
+    assert [ln.strip().split(": ")[1] for ln in lines[1:]] == [
+        "endpoints[0].extra", "policy.params.reserve_fraction", "statee", "prefix.block_size"]
+    assert all(ln.strip().startswith(f"config {p}: ") for ln in lines[1:])
+    assert "32 differs from the block_size 16 of profile 'llama2-7b-a100'" in lines[4]
+    p.write_text("profile: llama2-7b-a100\nprefix: {block_size: 32}\n")
+    with pytest.raises(ConfigError, match=rf"^config {p}: prefix\.block_size: 32 differs"):
+        load_settings(p, environ={})
+    p.write_text("profile: nope\nprefix: {block_size: 'x'}\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(p, environ={})
+    assert "prefix.block_size: Input should be a valid integer" in str(e.value)
+    assert f"config {p}: profile: unknown profile 'nope'" in str(e.value)

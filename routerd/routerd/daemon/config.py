@@ -621,7 +621,7 @@ def load_settings(
     env_data = read_env(os.environ if environ is None else environ)
     data = _merge_layer(_merge_layer(file_data, env_data), overrides or {})
     try:
-        return Settings.model_validate(data)
+        settings = Settings.model_validate(data)
     except ValidationError as e:
         lines = []
         for err in e.errors():
@@ -651,10 +651,44 @@ def load_settings(
                         lines.append(line)
                 elif isinstance(name, str):
                     seen[name] = i
+        for loc, msg in profile_checks(data.get("profile", Settings.model_fields["profile"].default),
+                                       data.get("prefix")):
+            line = f"{_source_of(loc, path, env_data, overrides, override_flags)}: {format_loc(loc)}: {msg}"
+            if line not in lines:
+                lines.append(line)
         if len(lines) == 1:
             raise ConfigError(lines[0]) from None
         # Every mistake at once: fixing a file should not take one run per error.
         raise ConfigError(f"{len(lines)} configuration errors:\n  " + "\n  ".join(lines)) from None
+    # The checks that need the profile, named by where they were set (the daemon checks them again).
+    found = [f"{_source_of(loc, path, env_data, overrides, override_flags)}: {format_loc(loc)}: {msg}"
+             for loc, msg in profile_checks(settings.profile, settings.prefix.model_dump())]
+    if found:
+        raise ConfigError(found[0] if len(found) == 1 else
+                          f"{len(found)} configuration errors:\n  " + "\n  ".join(found))
+    return settings
+
+
+def profile_checks(profile: Any, prefix: Any) -> list[tuple[tuple, str]]:
+    """``(field path, message)`` of each check that needs the hardware profile: ``profile`` must
+    load (a known name or a readable profile YAML), and ``prefix.block_size``, when set, must equal
+    its block size (the policies count a match's cached tokens in the profile's blocks). Values of
+    the wrong type are left to the field validation, which names them.
+    """
+    from routerd.profiles import ProfileError, get_profile
+
+    if not isinstance(profile, str):
+        return []
+    try:
+        prof = get_profile(profile)
+    except ProfileError as e:
+        return [(("profile",), str(e))]
+    bs = prefix.get("block_size") if isinstance(prefix, Mapping) else None
+    if type(bs) is int and bs != prof.block_size:
+        return [(("prefix", "block_size"), f"{bs} differs from the block_size {prof.block_size} of profile "
+                 f"{profile!r}; the policies count cached tokens in the profile's blocks: give a profile with "
+                 "vLLM's --block-size, or leave prefix.block_size unset")]
+    return []
 
 
 def _merge_layer(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
