@@ -181,3 +181,96 @@ def test_bad_values_fail_with_a_message():
     assert r.returncode != 0 and "needs peering.enabled" in r.stderr, r.stderr
     r = helm("template", "x", str(CHART), "--set", "operator.logLevel=loud", check=False)
     assert r.returncode != 0 and "logLevel" in r.stderr, r.stderr
+
+
+GPU_EXAMPLE = CHART / "examples" / "llama-3.1-8b-gpu.yaml"
+
+
+def render_values(values: Path, *sets: str) -> list[dict]:
+    args = ["template", "phasewise", str(CHART), "--namespace", "llm", "-f", str(values)]
+    for s in sets:
+        args += ["--set", s]
+    return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+
+
+def test_gpu_example_is_a_vllm_pool_on_one_gpu_per_replica():
+    """examples/llama-3.1-8b-gpu.yaml: the pool it renders passes the CRD schema and the operator's checks,
+    and the operator turns it into GPU engine pods with the token, tolerations, placement and budgets."""
+    (pool,) = by_kind(render_values(GPU_EXAMPLE), "LLMRouterPool")
+    from phasewise_operator import builders as B
+    from phasewise_operator.settings import OperatorSettings
+    from phasewise_operator.spec import check_pool, parse_pool_spec
+
+    spec = parse_pool_spec(pool["spec"])
+    check_pool(spec)
+    assert not spec.emulated and spec.model.name == "meta-llama/Llama-3.1-8B-Instruct"
+    assert spec.hardware_profile.name == "llama3.1-8b-h100"
+    jsonschema = pytest.importorskip("jsonschema")
+    crd = yaml.safe_load((REPO / "crds" / "llmrouterpools.yaml").read_text())
+    jsonschema.Draft4Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]).validate(pool)
+
+    ref = B.PoolRef(pool["metadata"]["name"], "llm", "uid-1")
+    kids = {(o["kind"], o["metadata"]["name"]): o for o in B.pool_children(ref, spec, OperatorSettings())}
+    dep = kids[("Deployment", "llama-3-1-8b-engine")]
+    pod = dep["spec"]["template"]["spec"]
+    vllm = pod["containers"][0]
+    assert vllm["name"] == "vllm" and vllm["command"] == ["vllm", "serve"]
+    assert vllm["args"][:3] == ["meta-llama/Llama-3.1-8B-Instruct", "--served-model-name", "llama-3.1-8b-instruct"]
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}} in vllm["env"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert "podAntiAffinity" in pod["affinity"] and pod["topologySpreadConstraints"][0]["maxSkew"] == 1
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert vllm["startupProbe"]["failureThreshold"] * vllm["startupProbe"]["periodSeconds"] == 1800
+    assert vllm["readinessProbe"]["httpGet"]["path"] == "/health"
+    check_restricted(pod, "gpu engine")
+    assert {k for k in kids if k[0] == "PodDisruptionBudget"} == {
+        ("PodDisruptionBudget", "llama-3-1-8b-engine"), ("PodDisruptionBudget", "llama-3-1-8b-routerd"),
+        ("PodDisruptionBudget", "llama-3-1-8b-epp")}
+    assert kids[("InferencePool", "llama-3-1-8b")]["spec"]["endpointPickerRef"]["name"] == "llama-3-1-8b-epp"
+
+
+def test_hf_token_secret_is_appended_to_the_engine_env():
+    sets = ["examplePool.enabled=true", "examplePool.hfToken.secretName=hf", "examplePool.hfToken.key=tok",
+            "examplePool.engine.env[0].name=X", "examplePool.engine.env[0].value=one"]
+    (pool,) = by_kind(render(*sets), "LLMRouterPool")
+    assert pool["spec"]["engine"]["env"] == [{"name": "X", "value": "one"},
+                                            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf",
+                                                                                               "key": "tok"}}}]
+    (plain,) = by_kind(render("examplePool.enabled=true"), "LLMRouterPool")
+    assert plain["spec"]["engine"] == {"replicas": 2}  # nothing set: the pool is what it was
+
+
+def test_service_monitor_and_operator_budget_are_off_by_default_and_render_when_asked():
+    docs = render()
+    assert not by_kind(docs, "ServiceMonitor") and not by_kind(docs, "PodDisruptionBudget")
+    docs = render("serviceMonitor.enabled=true", "serviceMonitor.labels.release=prom", "podDisruptionBudget.enabled=true",
+                  "operator.replicas=2")
+    (sm,) = by_kind(docs, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    assert sm["spec"]["namespaceSelector"] == {"any": True}
+    assert sm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "phasewise-operator",
+                                                     "app.kubernetes.io/part-of": "phasewise"}
+    assert sm["spec"]["selector"]["matchExpressions"][0]["values"] == ["routerd", "epp", "engine"]
+    assert [(e["port"], e["path"]) for e in sm["spec"]["endpoints"]] == [("http", "/metrics"), ("metrics", "/metrics")]
+    # The ports it scrapes are the ones the operator's Services name.
+    from phasewise_operator import builders as B
+    from phasewise_operator.settings import OperatorSettings
+    from phasewise_operator.spec import parse_pool_spec
+
+    spec = parse_pool_spec({"model": {"name": "m"}, "gateway": {"picker": {"enabled": True}}})
+    ref = B.PoolRef("p", "ns", "u")
+    services = [o for o in B.pool_children(ref, spec, OperatorSettings()) if o["kind"] == "Service"]
+    for svc in services:
+        component = svc["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert component in sm["spec"]["selector"]["matchExpressions"][0]["values"]
+        assert {p["name"] for p in svc["spec"]["ports"]} & {"http", "metrics"}, component
+    (pdb,) = by_kind(docs, "PodDisruptionBudget")
+    (dep,) = by_kind(docs, "Deployment")
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    namespaced = render("serviceMonitor.enabled=true", "operator.watchNamespaces={a,b}")
+    (sm,) = by_kind(namespaced, "ServiceMonitor")
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": ["a", "b"]}

@@ -114,6 +114,18 @@ OPERATOR_CALLS = {
     ("rbac.authorization.k8s.io", "roles", "patch"),
     ("rbac.authorization.k8s.io", "rolebindings", "get"), ("rbac.authorization.k8s.io", "rolebindings", "create"),
     ("rbac.authorization.k8s.io", "rolebindings", "patch"),
+    # spec.gateway and podDisruptionBudget: optional children are applied, read back for ownership and
+    # deleted when the spec drops them; the InferencePool is watched for its parents' status.
+    ("", "services", "delete"), ("", "configmaps", "delete"),
+    ("policy", "poddisruptionbudgets", "get"), ("policy", "poddisruptionbudgets", "list"),
+    ("policy", "poddisruptionbudgets", "create"), ("policy", "poddisruptionbudgets", "patch"),
+    ("policy", "poddisruptionbudgets", "delete"),
+    ("inference.networking.k8s.io", "inferencepools", "get"), ("inference.networking.k8s.io", "inferencepools", "list"),
+    ("inference.networking.k8s.io", "inferencepools", "watch"),
+    ("inference.networking.k8s.io", "inferencepools", "create"),
+    ("inference.networking.k8s.io", "inferencepools", "patch"),
+    ("inference.networking.k8s.io", "inferencepools", "delete"),
+    ("inference.networking.k8s.io", "inferencepools/status", "get"),
 }
 
 
@@ -137,6 +149,15 @@ def test_every_kind_the_operator_writes_is_granted():
     pool = builders.PoolRef("p", "ns", "u")
     ps = parse_pool_spec({"model": {"name": "m"}, "emulated": True})
     objs = builders.pool_children(pool, ps, OperatorSettings())
+    # Every optional child too: picker, InferencePool, budgets (standalone Envoy's ConfigMap is a ConfigMap).
+    gw = parse_pool_spec({"model": {"name": "m"}, "emulated": True,
+                          "engine": {"podDisruptionBudget": {"maxUnavailable": 1}},
+                          "routerd": {"podDisruptionBudget": {"maxUnavailable": 1}},
+                          "gateway": {"inferencePool": {"enabled": True},
+                                      "picker": {"enabled": True, "podDisruptionBudget": {"maxUnavailable": 1}}}})
+    optional = builders.pool_children(pool, gw, OperatorSettings())
+    assert {o["kind"] for o in optional} - {o["kind"] for o in objs} == {"InferencePool", "PodDisruptionBudget"}
+    objs += optional
     js = parse_job_spec({"poolRef": {"name": "p"}, "task": "profile"})
     objs += jobs.job_children(builders.PoolRef("j", "ns", "u2"), js, pool, ps, OperatorSettings(), target_url="http://x:1")
     from phasewise_operator.kube import RESOURCES
@@ -234,3 +255,24 @@ def test_example_pool_prefix_values_mirror_the_crd():
         values["examplePool"]["prefix"] = bad
         errs = _errors(values)
         assert any(e.startswith(where) for e in errs), (bad, errs)
+
+
+def test_gpu_example_and_new_values_match_the_schema():
+    example = yaml.safe_load((CHART / "examples" / "llama-3.1-8b-gpu.yaml").read_text())
+    merged = copy.deepcopy(VALUES)
+    for key, value in example.items():
+        merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
+    assert _errors(merged) == []
+    assert merged["examplePool"]["profile"] in __import__("phasewise_operator.gen_crds").gen_crds.profile_names()
+    assert VALUES["serviceMonitor"]["enabled"] is False and VALUES["podDisruptionBudget"]["enabled"] is False
+    assert VALUES["images"]["envoy"] == OperatorSettings().envoy_image == "envoyproxy/envoy:v1.40.0"
+    for path, value, where in ((("serviceMonitor", "components"), ["vllm"], "serviceMonitor/components/0"),
+                               (("examplePool", "hfToken", "secretName"), "Bad_Name", "examplePool/hfToken/secretName"),
+                               (("examplePool", "engine"), {"replicas": 3}, "examplePool/engine"),
+                               (("podDisruptionBudget", "maxUnavailable"), "half", "podDisruptionBudget/maxUnavailable")):
+        values = copy.deepcopy(VALUES)
+        node = values
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        assert any(e.startswith(where) for e in _errors(values)), (path, _errors(values))

@@ -225,6 +225,15 @@ def _pairs():
     yield "predictor.pvc", props["predictor"]["properties"]["persistentVolumeClaim"], S.PredictorVolume
     yield "routerd", props["routerd"], S.RouterdSpec
     yield "routerd.service", props["routerd"]["properties"]["service"], S.ServiceSpec
+    yield "routerd.podDisruptionBudget", props["routerd"]["properties"]["podDisruptionBudget"], S.DisruptionBudget
+    yield "engine.podDisruptionBudget", props["engine"]["properties"]["podDisruptionBudget"], S.DisruptionBudget
+    yield "engine.topologySpreadConstraints[]", props["engine"]["properties"]["topologySpreadConstraints"]["items"], \
+        S.TopologySpread
+    gw = props["gateway"]
+    yield "gateway", gw, S.GatewaySpec
+    yield "gateway.inferencePool", gw["properties"]["inferencePool"], S.InferencePoolSpec
+    yield "gateway.picker", gw["properties"]["picker"], S.PickerSpec
+    yield "gateway.picker.envoy", gw["properties"]["picker"]["properties"]["envoy"], S.EnvoySpec
     jspec = _root(JOB)["properties"]["spec"]
     yield "job", jspec, JobSpec
     yield "job.profile", jspec["properties"]["profile"], S.ProfileTask
@@ -306,6 +315,17 @@ VALID_POOLS = {
          "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
         {"name": "code", "model": {"name": "codellama/CodeLlama-7b-hf"}, "replicas": 0}],
         "engine": {"replicas": 3, "resources": {"limits": {"nvidia.com/gpu": 1}}}},
+    "gateway": {"model": {"name": "m"}, "gateway": {
+        "inferencePool": {"enabled": True, "targetPortNumber": 8000, "appProtocol": "kubernetes.io/h2c",
+                          "failureMode": "FailOpen"},
+        "picker": {"enabled": True, "replicas": 2, "mode": "efficient", "podDisruptionBudget": {"maxUnavailable": 1},
+                   "envoy": {"enabled": True, "image": "envoyproxy/envoy:v1.40.0", "port": 8081}}}},
+    "placement and budgets": {"model": {"name": "m"}, "engine": {
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                       "whenUnsatisfiable": "ScheduleAnyway", "minDomains": 2}],
+        "podDisruptionBudget": {"maxUnavailable": "25%"}},
+        "routerd": {"podDisruptionBudget": {"maxUnavailable": 1}}},
 }
 
 INVALID_POOLS = {
@@ -354,6 +374,17 @@ INVALID_POOLS = {
                          "spec/routing/prefix/kvEvents/staleAfterSeconds"),
     "zero kv max blocks": ({"model": {"name": "m"}, "routing": {"prefix": {"kvEvents": {"maxBlocks": 0}}}},
                            "spec/routing/prefix/kvEvents/maxBlocks"),
+
+    "unknown failure mode": ({"model": {"name": "m"}, "gateway": {"inferencePool": {"failureMode": "Maybe"}}},
+                             "spec/gateway/inferencePool/failureMode"),
+    "unknown picker mode": ({"model": {"name": "m"}, "gateway": {"picker": {"mode": "half-duplex"}}},
+                            "spec/gateway/picker/mode"),
+    "target port out of range": ({"model": {"name": "m"}, "gateway": {"inferencePool": {"targetPortNumber": 0}}},
+                                 "spec/gateway/inferencePool/targetPortNumber"),
+    "budget not a count": ({"model": {"name": "m"}, "engine": {"podDisruptionBudget": {"maxUnavailable": "half"}}},
+                           "spec/engine/podDisruptionBudget/maxUnavailable"),
+    "spread without key": ({"model": {"name": "m"}, "engine": {"topologySpreadConstraints": [
+        {"maxSkew": 1, "whenUnsatisfiable": "DoNotSchedule"}]}}, "'topologyKey' is a required property"),
 }
 
 

@@ -686,8 +686,8 @@ def test_precise_prefix_in_an_emulated_pool():
     (None, None),
     ({}, None),
     ({"mode": "off"}, {"mode": "off"}),
-    ({"mode": "approximate", "blockSize": 32, "chunkBlocks": 2, "indexCapacityBlocks": 31250},
-     {"mode": "approximate", "block_size": 32, "chunk_blocks": 2, "index_capacity_blocks": 31250}),
+    ({"mode": "approximate", "blockSize": 16, "chunkBlocks": 2, "indexCapacityBlocks": 31250},
+     {"mode": "approximate", "block_size": 16, "chunk_blocks": 2, "index_capacity_blocks": 31250}),
     # kvEvents given without precise: passed on as given (routerd ignores them), no engine change.
     ({"mode": "approximate", "kvEvents": {"staleAfterSeconds": 2.5}}, {"mode": "approximate",
                                                                        "kv_events": {"stale_after_s": 2.5}}),
@@ -715,9 +715,10 @@ def test_prefix_changes_reload_routerd_unless_they_move_the_kv_events_port_name(
         return dep["spec"]["template"]["metadata"]["annotations"][B.ANNOTATION_RESTART_HASH]
 
     base = restart(None)
-    assert restart({"mode": "approximate", "blockSize": 32}) == base == restart({"mode": "off"})
+    # (blockSize must equal the profile's 16: check_pool refuses another.)
+    assert restart({"mode": "approximate", "blockSize": 16}) == base == restart({"mode": "off"})
     assert restart({"mode": "precise"}) != base
-    assert restart({"mode": "precise", "blockSize": 64}) == restart({"mode": "precise"})
+    assert restart({"mode": "precise", "blockSize": 16, "chunkBlocks": 8}) == restart({"mode": "precise"})
 
 
 @pytest.mark.parametrize("spec, field, words", [
@@ -749,7 +750,7 @@ def test_prefix_settings_are_what_routerd_accepts(tmp_path):
     assert (p.kv_events.port, p.kv_events.topic, p.kv_events.stale_after_s, p.kv_events.max_blocks) == \
         (5600, "kv", 5.0, 500000)
     assert s.kubernetes.kv_events_port_name == "kv-events"
-    for prefix in ({"mode": "off"}, {"mode": "approximate", "blockSize": 32}):
+    for prefix in ({"mode": "off"}, {"mode": "approximate", "blockSize": 16}):
         cm = _children(_with_prefix(GPU_SPEC, prefix))[("ConfigMap", "chat-routerd")]
         assert _settings_from_configmap(cm, tmp_path).prefix.mode == prefix["mode"]
 

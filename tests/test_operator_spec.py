@@ -145,6 +145,9 @@ def test_emulated_groups_are_checked_like_the_engine(group, field, words):
      "spec.engine.resources", "must not request nvidia.com/gpu"),
     ({"emulated": True, "engine": {"args": ["--enforce-eager"]}}, "spec.engine.args", "emulated pool must not"),
     ({"engine": {"port": 9000}, "sidecar": {"port": 9000}}, "spec.sidecar.port", "must differ"),
+    # llama2-7b-v100 has 16-token blocks; routerd would refuse 32 at start (a crash loop).
+    ({"routing": {"prefix": {"blockSize": 32}}}, "spec.routing.prefix.blockSize",
+     "32 differs from the block size 16 of the pool's hardware profile"),
 ])
 def test_checks_beyond_the_schema_name_the_field(spec, field, words):
     ps = parse_pool_spec({**M, **spec})

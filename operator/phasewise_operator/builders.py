@@ -22,6 +22,23 @@ controller owner reference, so deleting the pool deletes them):
 ``P-routerd`` ServiceAccount with a Role and RoleBinding to get/list/watch EndpointSlices
 ===========================  ========================================================
 
+With ``spec.gateway`` (absent: none of these, and every object above renders exactly as
+before the field existed):
+
+===========================  ========================================================
+``P-epp`` Deployment         ``phasewise epp --config /etc/phasewise/routerd.yaml``
+                             (``gateway.picker``), reading ``P-routerd``'s ConfigMap with
+                             its ``epp`` section, under ``P-routerd``'s ServiceAccount;
+                             with ``picker.envoy`` an Envoy sidecar in each pod
+``P-epp`` Service            ext_proc 9002, gRPC health 9003, metrics 9090 (and Envoy's
+                             ``http`` port in standalone mode)
+``P-epp-envoy`` ConfigMap    Envoy's bootstrap (standalone mode)
+``P`` InferencePool          ``inference.networking.k8s.io/v1`` (``gateway.inferencePool``):
+                             the engine pods, the engine port, ``P-epp`` as its picker
+PodDisruptionBudgets         ``P-engine[-G]``, ``P-routerd``, ``P-epp`` where the spec
+                             asks for one (``podDisruptionBudget``)
+===========================  ========================================================
+
 routerd reloads ``routerd.yaml`` when the file changes (policy, its parameters and
 checkpoint, profile, predictor, models, router and state settings), and the kubelet swaps all keys of one
 ConfigMap volume at once, so those changes reach routerd without a restart. Only the
@@ -44,9 +61,11 @@ from typing import Any, Mapping
 
 import yaml
 
-from phasewise_operator.gen_crds import API_VERSION, DEFAULT_PREDICTOR, KV_EVENTS_PORT_NAME
+from phasewise_operator.gen_crds import (API_VERSION, DEFAULT_PREDICTOR, EPP_GRPC_PORT, EPP_HEALTH_PORT,
+                                         EPP_METRICS_PORT, KV_EVENTS_PORT_NAME)
 from phasewise_operator.settings import OperatorSettings
-from phasewise_operator.spec import KV_EVENTS_FLAG, EngineGroup, PoolSpec, Resources, resolve_profile
+from phasewise_operator.spec import (KV_EVENTS_FLAG, DisruptionBudget, EngineGroup, PoolSpec, Resources, SpecError,
+                                     resolve_profile)
 
 # ---------------------------------------------------------------- names and labels
 
@@ -94,6 +113,7 @@ ROUTERD_DRAIN_S = 30.0
 
 _SIDECAR_DEFAULT_RESOURCES = {"requests": {"cpu": "50m", "memory": "96Mi"}, "limits": {"memory": "256Mi"}}
 _ROUTERD_DEFAULT_RESOURCES = {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+_ENVOY_DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 _EMULATOR_DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 
 
@@ -137,6 +157,21 @@ def model_label(served: str) -> str:
 def routerd_name(pool: str) -> str:
     """routerd's Deployment, Service, ConfigMap, ServiceAccount, Role and RoleBinding."""
     return f"{pool}-routerd"
+
+
+def picker_name(pool: str) -> str:
+    """The picker's Deployment and Service (``phasewise epp``); GIE's own charts call theirs ``<pool>-epp``."""
+    return f"{pool}-epp"
+
+
+def envoy_configmap_name(pool: str) -> str:
+    """The ConfigMap of the standalone Envoy's bootstrap."""
+    return f"{picker_name(pool)}-envoy"
+
+
+def inference_pool_name(pool: str) -> str:
+    """The InferencePool: the LLMRouterPool's own name, so an HTTPRoute's backendRef names the pool users know."""
+    return pool
 
 
 def labels(pool: str, component: str) -> dict[str, str]:
@@ -282,7 +317,19 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
     prefix = prefix_settings(spec)
     if prefix:
         out["prefix"] = prefix
+    if spec.picker:
+        out["epp"] = epp_settings(spec)
     return out
+
+
+def epp_settings(spec: PoolSpec) -> dict[str, Any]:
+    """routerd's ``epp`` settings for ``phasewise epp`` (``spec.gateway.picker``): the ecosystem's ports, the mode.
+
+    ``phasewise serve`` ignores the section, so it is only rendered for a pool with a picker
+    (a pool without one keeps its routerd.yaml byte for byte).
+    """
+    return {"host": "0.0.0.0", "port": EPP_GRPC_PORT, "health_port": EPP_HEALTH_PORT,
+            "metrics_port": EPP_METRICS_PORT, "mode": spec.gateway.picker.mode}  # type: ignore[union-attr]
 
 
 def prefix_settings(spec: PoolSpec) -> dict[str, Any]:
@@ -550,6 +597,11 @@ def engine_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings,
         pod_spec["nodeSelector"] = dict(g.node_selector)
     if g.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in g.tolerations]
+    if g.affinity:
+        pod_spec["affinity"] = json.loads(json.dumps(g.affinity))
+    if g.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = topology_spread(g.topology_spread_constraints,
+                                                                engine_selector(pool.name, g.name))
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
     pod_labels = labels(pool.name, "engine")
@@ -576,6 +628,17 @@ def engine_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings,
             "template": {"metadata": template_meta, "spec": pod_spec},
         },
     }
+
+
+def topology_spread(constraints, own_selector: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The pod spec's ``topologySpreadConstraints``; one without ``labelSelector`` gets the Deployment's own
+    pod selector (without any, Kubernetes counts no pods and the constraint spreads nothing)."""
+    out = []
+    for c in constraints:
+        item = c.model_dump(by_alias=True, exclude_none=True)
+        item.setdefault("labelSelector", {"matchLabels": dict(own_selector)})
+        out.append(item)
+    return out
 
 
 def engine_deployments(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings) -> list[dict[str, Any]]:
@@ -726,6 +789,255 @@ def routerd_service(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------- gateway: picker, Envoy, InferencePool
+
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+"""The InferencePool's group/version (GIE ``api/v1/inferencepool_types.go``, v1.0.0 and later)."""
+INFERENCE_POOL_PLURAL = "inferencepools"
+ENVOY_CONFIG_DIR = "/etc/envoy"
+KEY_ENVOY = "envoy.yaml"
+PICKER_ADDRESS = f"127.0.0.1:{EPP_GRPC_PORT}"
+"""Where the standalone Envoy finds the picker: the same pod, on loopback."""
+
+
+def _envoy_config_builder():
+    """routerd's Envoy bootstrap builder, ``routerd.epp.envoy_config.build_envoy_config`` (tests replace this).
+
+    Imported late: the operator image carries routerd, but an older routerd has no picker,
+    and only standalone pools need the function.
+    """
+    from routerd.epp.envoy_config import build_envoy_config
+
+    return build_envoy_config
+
+
+def envoy_config(spec: PoolSpec) -> dict[str, Any]:
+    """The standalone Envoy's bootstrap: a listener on ``picker.envoy.port`` whose ext_proc is the picker
+    beside it (:data:`PICKER_ADDRESS`), in the picker's mode; built by routerd, which ships the configuration.
+
+    Raises:
+        SpecError: this operator's routerd has no Envoy builder (naming ``spec.gateway.picker.envoy.enabled``).
+    """
+    p = spec.gateway.picker  # type: ignore[union-attr]
+    try:
+        build = _envoy_config_builder()
+    except ImportError as e:
+        raise SpecError("spec.gateway.picker.envoy.enabled", f"this operator's routerd has no Envoy configuration "
+                        f"builder (routerd.epp.envoy_config: {e}); upgrade the operator image") from None
+    try:
+        return build(listen_port=p.envoy.port, picker_address=PICKER_ADDRESS, mode=p.mode)
+    except ValueError as e:  # the builder's own checks (its docstring's Raises)
+        raise SpecError("spec.gateway.picker.envoy", f"routerd's Envoy configuration builder refused it: {e}") from None
+
+
+def envoy_configmap(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
+    """``P-epp-envoy``: ``envoy.yaml``, the standalone Envoy's bootstrap (:func:`envoy_config`)."""
+    text = yaml.safe_dump(envoy_config(spec), sort_keys=False)
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(pool, envoy_configmap_name(pool.name), "epp"),
+            "data": {KEY_ENVOY: text}}
+
+
+def envoy_container(spec: PoolSpec, settings: OperatorSettings) -> dict[str, Any]:
+    """Envoy beside the picker: clients' OpenAI requests on port ``http``, each sent to the engine the picker
+    names. ``--disable-hot-restart``: hot restart needs shared memory a restricted pod does not have."""
+    e = spec.gateway.picker.envoy  # type: ignore[union-attr]
+    return {
+        "name": "envoy",
+        "image": e.image or settings.envoy_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["envoy"],
+        "args": ["--config-path", f"{ENVOY_CONFIG_DIR}/{KEY_ENVOY}", "--disable-hot-restart", "--log-level", "warn"],
+        "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}],
+        "resources": _resources(e.resources, _ENVOY_DEFAULT_RESOURCES),
+        # Envoy's admin interface stays on loopback (not reachable by the kubelet): the listener itself
+        # is what clients need.
+        "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 2, "timeoutSeconds": 2,
+                           "failureThreshold": 2},
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "timeoutSeconds": 3,
+                          "failureThreshold": 6},
+        "volumeMounts": [{"name": "envoy-config", "mountPath": ENVOY_CONFIG_DIR, "readOnly": True},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": container_security_context(),
+    }
+
+
+def picker_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings, *,
+                      checkpoint: Checkpoint | None = None) -> dict[str, Any]:
+    """``P-epp``: ``phasewise epp`` reading routerd's ConfigMap (the same router core, policy and profile),
+    with gRPC health probes, and in standalone mode Envoy beside it.
+
+    Its own Deployment, not routerd's: a gateway reaches the picker through
+    ``endpointPickerRef`` (a Service of its own, as GIE's and llm-d's charts deploy it),
+    scales and rolls apart from routerd's proxy, and a pool can run either or both.
+    """
+    p = spec.gateway.picker  # type: ignore[union-attr]
+    rs = routerd_settings(pool, spec, checkpoint=checkpoint)
+    vol = _config_volume(True)
+    vol["configMap"]["name"] = routerd_name(pool.name)
+    volumes: list[dict[str, Any]] = [vol, {"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, {"name": "tmp", "mountPath": "/tmp"}]
+    if spec.predictor is not None and spec.predictor.persistent_volume_claim is not None:
+        volumes.append({"name": "predictor", "persistentVolumeClaim": {
+            "claimName": spec.predictor.persistent_volume_claim.claim_name, "readOnly": True}})
+        mounts.append({"name": "predictor", "mountPath": PREDICTOR_DIR, "readOnly": True})
+    epp = {
+        "name": "epp",
+        "image": spec.routerd.image or settings.routerd_image,
+        "imagePullPolicy": spec.routerd.image_pull_policy or settings.image_pull_policy,
+        "command": ["phasewise", "epp"],
+        "args": ["--config", CONFIG_FILE],
+        "ports": [{"name": "ext-proc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
+                  {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"}],
+        "env": [*_POD_ENV, {"name": "HOME", "value": "/tmp"}],
+        "resources": _resources(p.resources, _ROUTERD_DEFAULT_RESOURCES),
+        # readiness: the picker's state is synced (gateway-epp.md section 1); a gateway sends no
+        # request to a picker that is not.
+        "readinessProbe": {"grpc": {"port": EPP_HEALTH_PORT, "service": "readiness"}, "periodSeconds": 2,
+                           "timeoutSeconds": 2, "failureThreshold": 2},
+        "livenessProbe": {"grpc": {"port": EPP_HEALTH_PORT, "service": "liveness"}, "periodSeconds": 10,
+                          "timeoutSeconds": 3, "failureThreshold": 6},
+        "volumeMounts": mounts,
+        "securityContext": container_security_context(),
+    }
+    containers = [epp]
+    # The picker reads epp's ports at start, like routerd its own: both roll it.
+    annotations = {ANNOTATION_RESTART_HASH: short_hash({k: rs.get(k) for k in (*RESTART_KEYS, "epp")})}
+    if spec.envoy:
+        containers.append(envoy_container(spec, settings))
+        volumes.append({"name": "envoy-config", "configMap": {"name": envoy_configmap_name(pool.name)}})
+        # A static bootstrap is read once: a new one must roll the pods.
+        annotations[ANNOTATION_CONFIG_HASH] = short_hash(envoy_config(spec))
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": routerd_name(pool.name),
+        "automountServiceAccountToken": True,
+        "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
+        "containers": containers,
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": int(ROUTERD_DRAIN_S) + 15,
+    }
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(pool, picker_name(pool.name), "epp"),
+        "spec": {
+            "replicas": p.replicas,
+            "selector": {"matchLabels": selector(pool.name, "epp")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": labels(pool.name, "epp"), "annotations": annotations},
+                         "spec": pod_spec},
+        },
+    }
+
+
+def picker_service(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
+    """``P-epp``: the picker's ext_proc (9002, h2c), gRPC health (9003) and metrics (9090); in standalone
+    mode also Envoy's ``http`` port, which clients call."""
+    ports: list[dict[str, Any]] = [
+        {"name": "grpc-ext-proc", "port": EPP_GRPC_PORT, "targetPort": "ext-proc", "protocol": "TCP",
+         "appProtocol": "kubernetes.io/h2c"},
+        {"name": "grpc-health", "port": EPP_HEALTH_PORT, "targetPort": "grpc-health", "protocol": "TCP",
+         "appProtocol": "kubernetes.io/h2c"},
+        {"name": "metrics", "port": EPP_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP",
+         "appProtocol": "http"},
+    ]
+    if spec.envoy:
+        ports.append({"name": "http", "port": spec.gateway.picker.envoy.port,  # type: ignore[union-attr]
+                      "targetPort": "http", "protocol": "TCP", "appProtocol": "http"})
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, picker_name(pool.name), "epp"),
+            "spec": {"type": "ClusterIP", "selector": selector(pool.name, "epp"), "ports": ports}}
+
+
+def inference_pool(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
+    """``P``, an InferencePool (GIE ``api/v1/inferencepool_types.go``, v1.6.0): ``spec.selector.matchLabels``
+    selects every engine pod of every group (the engine Service's selector), ``spec.targetPorts`` the
+    engines' OpenAI port, ``spec.endpointPickerRef`` the picker Service's ext_proc port."""
+    ip = spec.gateway.inference_pool  # type: ignore[union-attr]
+    return {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": _meta(pool, inference_pool_name(pool.name), "gateway"),
+        "spec": {
+            "selector": {"matchLabels": selector(pool.name, "engine")},
+            "targetPorts": [{"number": spec.target_port}],
+            "appProtocol": ip.app_protocol,
+            "endpointPickerRef": {"group": "", "kind": "Service", "name": picker_name(pool.name),
+                                  "port": {"number": EPP_GRPC_PORT}, "failureMode": ip.failure_mode},
+        },
+    }
+
+
+def _pdb(pool: PoolRef, name: str, component: str, sel: Mapping[str, str], budget: DisruptionBudget) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(pool, name, component),
+            "spec": {"maxUnavailable": budget.max_unavailable, "selector": {"matchLabels": dict(sel)},
+                     # A pod that is not ready (an engine still loading its model, one crash-looping)
+                     # serves nothing: a drain may evict it whatever the budget says.
+                     "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
+
+
+def disruption_budgets(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
+    """PodDisruptionBudgets the spec asks for: one per engine Deployment (``engine.podDisruptionBudget``),
+    routerd's and the picker's; named like the Deployment they protect."""
+    out = []
+    if spec.engine.pod_disruption_budget is not None:
+        for g in spec.groups():
+            out.append(_pdb(pool, engine_group_name(pool.name, g.name), "engine", engine_selector(pool.name, g.name),
+                            spec.engine.pod_disruption_budget))
+    if spec.routerd.pod_disruption_budget is not None:
+        out.append(_pdb(pool, routerd_name(pool.name), "routerd", selector(pool.name, "routerd"),
+                        spec.routerd.pod_disruption_budget))
+    if spec.picker and spec.gateway.picker.pod_disruption_budget is not None:  # type: ignore[union-attr]
+        out.append(_pdb(pool, picker_name(pool.name), "epp", selector(pool.name, "epp"),
+                        spec.gateway.picker.pod_disruption_budget))  # type: ignore[union-attr]
+    return out
+
+
+def optional_children(pool: PoolRef, spec: PoolSpec | None) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of the single-named optional children the spec does not want now (a picker
+    switched off, a budget removed): the reconcile deletes those that exist and are this pool's."""
+    wanted: set[tuple[str, str, str]] = set()
+    if spec is not None:
+        wanted = {(o["apiVersion"], o["kind"], o["metadata"]["name"]) for o in _optional(pool, spec)}
+    candidates = [("apps/v1", "Deployment", picker_name(pool.name)), ("v1", "Service", picker_name(pool.name)),
+                  ("v1", "ConfigMap", envoy_configmap_name(pool.name)),
+                  (INFERENCE_POOL_API, "InferencePool", inference_pool_name(pool.name)),
+                  ("policy/v1", "PodDisruptionBudget", routerd_name(pool.name)),
+                  ("policy/v1", "PodDisruptionBudget", picker_name(pool.name))]
+    return [c for c in candidates if c not in wanted]
+
+
+def stale_engine_budgets(pool: PoolRef, spec: PoolSpec, observed: list[Mapping[str, Any]]) -> list[str]:
+    """Names of the observed engine PodDisruptionBudgets the pool owns but no longer wants (budget removed,
+    or its group gone)."""
+    wanted = {o["metadata"]["name"] for o in disruption_budgets(pool, spec)}
+    out = []
+    for pdb in observed:
+        meta = pdb.get("metadata") or {}
+        owned = any(r.get("controller") and r.get("uid") == pool.uid for r in meta.get("ownerReferences") or [])
+        if owned and (meta.get("labels") or {}).get(LABEL_COMPONENT) == "engine" and meta.get("name") not in wanted:
+            out.append(meta["name"])
+    return sorted(out)
+
+
+def _optional(pool: PoolRef, spec: PoolSpec, checkpoint: Checkpoint | None = None,
+              settings: OperatorSettings | None = None) -> list[dict[str, Any]]:
+    """The children that exist only when the spec asks: picker, its Envoy, the InferencePool (last: its CRD
+    may be missing, which must not stop the rest), and the budgets."""
+    settings = settings or OperatorSettings()
+    out: list[dict[str, Any]] = []
+    if spec.picker:
+        if spec.envoy:
+            out.append(envoy_configmap(pool, spec))
+        out += [picker_service(pool, spec), picker_deployment(pool, spec, settings, checkpoint=checkpoint)]
+    out += disruption_budgets(pool, spec)
+    if spec.inference_pool:
+        out.append(inference_pool(pool, spec))
+    return out
+
+
 def router_url(pool: PoolRef, spec: PoolSpec) -> str:
     """In-cluster base URL of the pool's OpenAI API."""
     port = spec.routerd.service.port
@@ -735,10 +1047,12 @@ def router_url(pool: PoolRef, spec: PoolSpec) -> str:
 
 def pool_children(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings, *,
                   checkpoint: Checkpoint | None = None) -> list[dict[str, Any]]:
-    """Every object the pool owns, in apply order (RBAC and config before the pods that use them).
+    """Every object the pool owns, in apply order (RBAC and config before the pods that use them; the
+    InferencePool last, since its CRD may not be installed).
 
     Raises:
-        SpecError: the profile cannot be resolved (naming the field).
+        SpecError: the profile cannot be resolved (naming the field), or standalone mode without
+            routerd's Envoy builder.
     """
     return [
         *routerd_rbac(pool),
@@ -747,6 +1061,7 @@ def pool_children(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings, *,
         *engine_deployments(pool, spec, settings),
         routerd_service(pool, spec),
         routerd_deployment(pool, spec, settings, checkpoint=checkpoint),
+        *_optional(pool, spec, checkpoint, settings),
     ]
 
 
@@ -763,6 +1078,17 @@ _BLAME: list[tuple[str, str, str, str]] = [
     ("Deployment", "engine", r'containers(\[1\]|\[name="sidecar"\])\.resources', "spec.sidecar.resources"),
     ("Deployment", "engine", r'containers(\[1\]|\[name="sidecar"\])\.image', "spec.routerd.image"),
     ("Deployment", "engine", r"tolerations", "spec.engine.tolerations"),
+    ("Deployment", "engine", r"affinity", "spec.engine.affinity"),
+    ("Deployment", "engine", r"topologySpreadConstraints", "spec.engine.topologySpreadConstraints"),
+    ("Deployment", "epp", r'containers(\[0\]|\[name="epp"\])\.resources', "spec.gateway.picker.resources"),
+    ("Deployment", "epp", r'containers(\[0\]|\[name="epp"\])\.image', "spec.routerd.image"),
+    ("Deployment", "epp", r'containers(\[1\]|\[name="envoy"\])\.resources', "spec.gateway.picker.envoy.resources"),
+    ("Deployment", "epp", r'containers(\[1\]|\[name="envoy"\])\.image', "spec.gateway.picker.envoy.image"),
+    ("Deployment", "epp", r"\.replicas", "spec.gateway.picker.replicas"),
+    ("PodDisruptionBudget", "engine", r"maxUnavailable", "spec.engine.podDisruptionBudget.maxUnavailable"),
+    ("PodDisruptionBudget", "routerd", r"maxUnavailable", "spec.routerd.podDisruptionBudget.maxUnavailable"),
+    ("PodDisruptionBudget", "epp", r"maxUnavailable", "spec.gateway.picker.podDisruptionBudget.maxUnavailable"),
+    ("InferencePool", "gateway", r"targetPorts", "spec.gateway.inferencePool.targetPortNumber"),
     ("Deployment", "engine", r"nodeSelector", "spec.engine.nodeSelector"),
     ("Deployment", "engine", r"emptyDir\.sizeLimit|\.sizeLimit", "spec.engine.sharedMemory"),
     ("Deployment", "engine", r"persistentVolumeClaim|claimName", "spec.engine.modelCacheClaim"),
@@ -781,7 +1107,8 @@ _BLAME: list[tuple[str, str, str, str]] = [
 
 _GROUP_FIELDS = {"spec.engine.resources": "resources", "spec.engine.env": "env", "spec.engine.args": "args",
                  "spec.engine.tolerations": "tolerations", "spec.engine.nodeSelector": "nodeSelector",
-                 "spec.engine.replicas": "replicas"}
+                 "spec.engine.replicas": "replicas", "spec.engine.affinity": "affinity",
+                 "spec.engine.topologySpreadConstraints": "topologySpreadConstraints"}
 
 
 def blame(obj: Mapping[str, Any], message: str, spec: PoolSpec | None = None) -> str | None:

@@ -62,6 +62,26 @@ DEFAULT_KV_EVENTS_PORT = 5557
 and routerd's port in precise mode unless ``spec.routing.prefix.kvEvents.port`` says otherwise."""
 DEFAULT_KV_EVENTS_TOPIC = ""
 """vLLM's KV-event topic (``KVEventsConfig.topic``)."""
+GATEWAY_APP_PROTOCOLS = ("http", "kubernetes.io/h2c")
+"""``InferencePool.spec.appProtocol`` values (GIE ``api/v1/inferencepool_types.go``, v1.6.0)."""
+FAILURE_MODES = ("FailOpen", "FailClose")
+"""``InferencePool.spec.endpointPickerRef.failureMode`` values (GIE ``api/v1/inferencepool_types.go``)."""
+DEFAULT_FAILURE_MODE = "FailClose"
+"""GIE's default failure mode: a picker that does not answer fails the request instead of routing blind."""
+PICKER_MODES = ("full-duplex", "efficient")
+"""``phasewise epp`` modes (routerd's ``epp.mode``): ``full-duplex`` is what gateways configure
+(both bodies FULL_DUPLEX_STREAMED); ``efficient`` needs Phasewise's own Envoy configuration."""
+DEFAULT_PICKER_MODE = "full-duplex"
+EPP_GRPC_PORT = 9002
+"""ext_proc gRPC port of the picker (the ecosystem's default, gateway-epp.md section 1)."""
+EPP_HEALTH_PORT = 9003
+"""gRPC health port of the picker (services ``liveness``, ``readiness`` and the ext_proc service)."""
+EPP_METRICS_PORT = 9090
+"""Prometheus port of the picker."""
+EPP_PORTS = (EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT)
+DEFAULT_ENVOY_PORT = 8081
+"""Port of the standalone Envoy's client listener (container and picker Service port ``http``)."""
+
 KV_EVENTS_PORT_NAME = "kv-events"
 """Name of the engines' container and Service port of the KV events (routerd's
 ``kubernetes.kv_events_port_name``), so EndpointSlices carry it."""
@@ -207,6 +227,30 @@ _TOLERATIONS = {
 _NODE_SELECTOR = {"type": "object", "description": "Node labels the pods must run on.",
                   "additionalProperties": {"type": "string"}}
 
+# Kubernetes' own types, passed through to the pod spec unchanged: the Deployment's validation
+# (or the pod's) checks them, and an error there names the pool's field (builders.blame).
+_AFFINITY = {"type": "object", "description": "Affinity of the pods (Kubernetes Affinity: nodeAffinity, "
+             "podAffinity, podAntiAffinity), e.g. to spread instances over GPU nodes.",
+             "x-kubernetes-preserve-unknown-fields": True}
+
+_TOPOLOGY_SPREAD = {
+    "type": "array",
+    "description": "Topology spread constraints of the pods (Kubernetes TopologySpreadConstraint); a constraint "
+                   "without labelSelector selects this Deployment's own pods.",
+    "maxItems": 8,
+    "items": {"type": "object", "description": "One constraint.", "required": ["maxSkew", "topologyKey",
+                                                                              "whenUnsatisfiable"],
+              "x-kubernetes-preserve-unknown-fields": True,
+              "properties": {
+                  "maxSkew": {"type": "integer", "description": "Most the pod count may differ between two "
+                              "topology domains.", "minimum": 1},
+                  "topologyKey": {"type": "string", "description": "Node label of the domain, e.g. "
+                                  "topology.kubernetes.io/zone or kubernetes.io/hostname.", "minLength": 1},
+                  "whenUnsatisfiable": {"type": "string", "description": "DoNotSchedule or ScheduleAnyway.",
+                                        "enum": ["DoNotSchedule", "ScheduleAnyway"]},
+              }},
+}
+
 
 def _condition_list(desc: str) -> dict[str, Any]:
     return {
@@ -292,6 +336,79 @@ def prefix_schema() -> dict[str, Any]:
     })
 
 
+def _pdb(what: str) -> dict[str, Any]:
+    return _o(f"A PodDisruptionBudget for the {what}: voluntary disruptions (node drains, cluster upgrades) "
+              "evict at most maxUnavailable of them at a time. Unset: no budget.", {
+        "maxUnavailable": {**_QUANTITY, "pattern": r"^([0-9]+|[0-9]+%)$",
+                           "description": "Pods that may be evicted at once: a number or a percentage "
+                           "(e.g. 1 or 25%)."},
+    }, required=["maxUnavailable"])
+
+
+def gateway_schema() -> dict[str, Any]:
+    """``spec.gateway``: the pool behind a Gateway API Inference Extension gateway, or behind Phasewise's own Envoy.
+
+    Field names and enums of ``inferencePool`` follow GIE's ``api/v1/inferencepool_types.go``
+    (v1.6.0), which the operator's InferencePool carries.
+    """
+    pool = _o("An InferencePool (inference.networking.k8s.io/v1) named like this LLMRouterPool, selecting every "
+              "engine pod, with the picker's Service as its endpointPickerRef: an HTTPRoute's backendRef "
+              "names it. Needs the Gateway API Inference Extension CRDs in the cluster and picker.enabled.", {
+        "enabled": _b("Create the InferencePool.", default=False),
+        "targetPortNumber": _i("Port of the model servers the gateway sends requests to (the InferencePool's "
+                               "targetPorts[0].number; default: spec.engine.port).", minimum=1, maximum=65535),
+        "appProtocol": _s("Protocol the gateway speaks to the model servers (InferencePool spec.appProtocol).",
+                          enum=list(GATEWAY_APP_PROTOCOLS), default="http"),
+        "failureMode": _s("What the gateway does when the picker does not answer (endpointPickerRef.failureMode): "
+                          "FailClose fails the request, FailOpen routes without it. Note GIE issue 1266: "
+                          "FailOpen does not take effect with full-duplex body modes on Envoy 1.35 and later.",
+                          enum=list(FAILURE_MODES), default=DEFAULT_FAILURE_MODE),
+    }, default={})
+    envoy = _o("Standalone mode: an Envoy sidecar beside each picker, routing clients' OpenAI requests to the "
+               "engine the picker chose (ORIGINAL_DST on x-gateway-destination-endpoint), without a gateway.", {
+        "enabled": _b("Run the Envoy sidecar.", default=False),
+        "image": _image("Envoy image (default: the operator's envoyImage setting, envoyproxy/envoy:v1.40.0)."),
+        "port": _i("Envoy's client port: container port and picker Service port named http. Must differ from the "
+                   f"picker's {', '.join(map(str, EPP_PORTS))}.", minimum=1, maximum=65535, default=DEFAULT_ENVOY_PORT),
+        "resources": _resources("Resources of the Envoy container."),
+    }, default={}, **{"x-kubernetes-validations": [
+        _rule(f"!has(self.port) || !(self.port in {list(EPP_PORTS)})",
+              f"envoy.port must differ from the picker's ports {', '.join(map(str, EPP_PORTS))}",
+              field_path=".port", reason="FieldValueInvalid"),
+    ]})
+    picker = _o("phasewise epp, the Endpoint Picker (Envoy ext_proc) with routerd's router core, as its own "
+                "Deployment and Service <pool>-epp (ext_proc 9002, gRPC health 9003, metrics 9090), reading "
+                "routerd's ConfigMap.", {
+        "enabled": _b("Run the picker.", default=False),
+        "replicas": _i("Picker replicas.", minimum=0, maximum=100, default=1),
+        "mode": _s("full-duplex: both bodies FULL_DUPLEX_STREAMED, what gateways configure; efficient: no response "
+                   "chunk goes through the picker (only with Phasewise's own Envoy, envoy.enabled).",
+                   enum=list(PICKER_MODES), default=DEFAULT_PICKER_MODE),
+        "resources": _resources("Resources of the picker container."),
+        "podDisruptionBudget": _pdb("picker pods"),
+        "envoy": envoy,
+    }, default={}, **{"x-kubernetes-validations": [
+        _rule("!has(self.envoy) || !has(self.envoy.enabled) || !self.envoy.enabled || "
+              "(has(self.enabled) && self.enabled)",
+              "picker.envoy.enabled needs picker.enabled (Envoy sends every request to the picker)",
+              field_path=".envoy.enabled", reason="FieldValueInvalid"),
+        _rule("!has(self.mode) || self.mode != 'efficient' || (has(self.envoy) && has(self.envoy.enabled) && "
+              "self.envoy.enabled)",
+              "picker.mode efficient needs Phasewise's own Envoy (picker.envoy.enabled); gateways run full-duplex",
+              field_path=".mode", reason="FieldValueInvalid"),
+    ]})
+    return _o("Expose the pool to Envoy-based gateways (Gateway API Inference Extension) and/or run Phasewise's "
+              "picker with its own Envoy. Unset: neither (routerd's proxy only).", {
+        "inferencePool": pool,
+        "picker": picker,
+    }, **{"x-kubernetes-validations": [
+        _rule("!has(self.inferencePool) || !has(self.inferencePool.enabled) || !self.inferencePool.enabled || "
+              "(has(self.picker) && has(self.picker.enabled) && self.picker.enabled)",
+              "gateway.inferencePool.enabled needs gateway.picker.enabled (the InferencePool's endpointPickerRef "
+              "is the picker's Service)", field_path=".picker.enabled", reason="FieldValueRequired"),
+    ]})
+
+
 def pool_spec_schema() -> dict[str, Any]:
     """OpenAPI schema of ``LLMRouterPool.spec``."""
     engine = _o("The serving instances: vLLM (or the emulator when emulated) with a state sidecar each. "
@@ -316,6 +433,9 @@ def pool_spec_schema() -> dict[str, Any]:
                              minimum=10, maximum=86400, default=1800),
         "nodeSelector": _NODE_SELECTOR,
         "tolerations": _TOLERATIONS,
+        "affinity": _AFFINITY,
+        "topologySpreadConstraints": _TOPOLOGY_SPREAD,
+        "podDisruptionBudget": _pdb("engine pods (one budget per engine Deployment)"),
     }, default={})
     sidecar = _o("The instance-state sidecar beside each engine container (phasewise sidecar).", {
         "port": _i("gRPC port of the sidecar (the Service port named state).", minimum=1, maximum=65535,
@@ -379,6 +499,7 @@ def pool_spec_schema() -> dict[str, Any]:
         "imagePullPolicy": _PULL_POLICY,
         "resources": _resources("Resources of the routerd container."),
         "logLevel": _s("routerd log level.", enum=["debug", "info", "warning", "error"], default="info"),
+        "podDisruptionBudget": _pdb("routerd pods"),
         "service": _o("The Service clients call (OpenAI API).", {
             "type": _s("Service type.", enum=["ClusterIP", "NodePort", "LoadBalancer"], default="ClusterIP"),
             "port": _i("Service port of the OpenAI API.", minimum=1, maximum=65535, default=80),
@@ -427,6 +548,9 @@ def pool_spec_schema() -> dict[str, Any]:
                          "spec.engine.nodeSelector), e.g. another GPU node pool for the same model."},
         "tolerations": {**_TOLERATIONS, "description": "Tolerations of this group's pods (default: "
                         "spec.engine.tolerations)."},
+        "affinity": {**_AFFINITY, "description": "Affinity of this group's pods (default: spec.engine.affinity)."},
+        "topologySpreadConstraints": {**_TOPOLOGY_SPREAD, "description": "Topology spread constraints of this "
+                                      "group's pods (default: spec.engine.topologySpreadConstraints)."},
     }, required=["name", "model"])
     return _o("Desired state of the pool. Set exactly one of model (one model) and engineGroups (several).", {
         "model": model("The model every instance serves (a single-model pool; exclusive with engineGroups)."),
@@ -447,6 +571,7 @@ def pool_spec_schema() -> dict[str, Any]:
         "imagePullSecrets": {"type": "array", "maxItems": 16, "description": "Secrets for pulling the images.",
                              "items": _o("A Secret reference.", {"name": _s("Secret name.", maxLength=253)},
                                          required=["name"])},
+        "gateway": gateway_schema(),
     }, **{"x-kubernetes-validations": [
         _rule("has(self.model) != has(self.engineGroups)",
               "set exactly one of spec.model (one model) or spec.engineGroups (several)",
@@ -467,6 +592,11 @@ def pool_spec_schema() -> dict[str, Any]:
         _rule("!has(self.engine) || !has(self.sidecar) || !has(self.engine.port) || !has(self.sidecar.port) || "
               "self.engine.port != self.sidecar.port",
               "engine.port and sidecar.port must differ", field_path=".sidecar.port", reason="FieldValueInvalid"),
+        _rule("!has(self.gateway) || !has(self.gateway.inferencePool) || "
+              "!has(self.gateway.inferencePool.targetPortNumber) || !has(self.sidecar) || !has(self.sidecar.port) || "
+              "self.gateway.inferencePool.targetPortNumber != self.sidecar.port",
+              "gateway.inferencePool.targetPortNumber is the state sidecar's gRPC port (sidecar.port), not an OpenAI "
+              "endpoint", field_path=".gateway.inferencePool.targetPortNumber", reason="FieldValueInvalid"),
         _rule("!has(self.routing) || !has(self.routing.prefix) || !has(self.routing.prefix.mode) || "
               "self.routing.prefix.mode != 'precise' || "
               f"((!has(self.engine) || !has(self.engine.port) || {_KV_PORT} != self.engine.port) && "
@@ -481,7 +611,8 @@ def pool_status_schema() -> dict[str, Any]:
     """OpenAPI schema of ``LLMRouterPool.status`` (written by the operator only)."""
     return _o("Observed state of the pool.", {
         "observedGeneration": _i("The .metadata.generation the status describes.", format="int64"),
-        "conditions": _condition_list("Ready, Progressing and Degraded."),
+        "conditions": _condition_list("Ready, Progressing and Degraded; with spec.gateway.inferencePool also "
+                                      "InferencePoolReady and GatewayAccepted."),
         "replicas": _i("Engine pods that exist, of all groups (the scale subresource's status replicas)."),
         "readyInstances": _i("Engine pods that are ready, of all groups (from the engine Deployments)."),
         "selector": _s("Label selector of the engine pods (the scale subresource's selector)."),

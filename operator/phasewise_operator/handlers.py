@@ -2,7 +2,7 @@
 
 Pools
   create, update (of ``spec``) and resume (operator start) reconcile the pool; events of
-  the pool's Deployments and EndpointSlices refresh its status (a deleted child triggers a
+  the pool's Deployments, EndpointSlices and InferencePool refresh its status (a deleted child triggers a
   full reconcile, which recreates it); the :class:`~phasewise_operator.reconcile.Resyncer`
   thread re-applies every pool each ``PHASEWISE_RESYNC_SECONDS`` (drift repair). Deletion
   needs no handler: every child carries the pool as controller owner reference, so the
@@ -108,6 +108,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.
     settings.watching.label_selectors["apps", "v1", "deployments"] = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
     settings.watching.label_selectors["discovery.k8s.io", "v1", "endpointslices"] = LABEL_POOL
     settings.watching.label_selectors["batch", "v1", "jobs"] = LABEL_JOB
+    settings.watching.label_selectors["inference.networking.k8s.io", "v1", "inferencepools"] = \
+        f"{LABEL_MANAGED_BY}={MANAGED_BY}"
     settings.execution.max_workers = 16
     if not settings.peering.mandatory:  # `kopf run --peering NAME` (mandatory) names it itself
         settings.peering.name = ops.peering
@@ -201,6 +203,20 @@ def endpointslice_event(event: dict, namespace: str, labels: dict, memo: kopf.Me
     """The engine Service's endpoints changed (the controller copies the Service's labels): refresh status."""
     if event.get("type") == "DELETED":
         return  # a slice going away is not a child the operator recreates
+    _child_event(event, namespace, labels, memo, logger)
+
+
+@kopf.on.event("inference.networking.k8s.io", "v1", "inferencepools",
+               labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_POOL: kopf.PRESENT})
+def inferencepool_event(event: dict, namespace: str, labels: dict, memo: kopf.Memo, logger: logging.Logger,
+                        **_) -> None:
+    """A gateway wrote the InferencePool's status.parents (or it was deleted): refresh the pool's
+    GatewayAccepted condition (recreate it).
+
+    Without the Gateway API Inference Extension CRD at the operator's start kopf only warns
+    ("Unresolved resources") and serves the rest; the resync thread then carries the
+    InferencePool and its status.
+    """
     _child_event(event, namespace, labels, memo, logger)
 
 

@@ -34,6 +34,8 @@ RESOURCES: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("discovery.k8s.io/v1", "EndpointSlice"): "endpointslices",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     (API_VERSION, "LLMRouterPool"): "llmrouterpools",
     (API_VERSION, "LLMRouterJob"): "llmrouterjobs",
 }
@@ -172,6 +174,20 @@ class Kube:
             cont = (page.get("metadata") or {}).get("continue")
             if not cont:
                 return items
+
+    def serves(self, api_version: str, plural: str) -> bool:
+        """Whether the API server serves ``plural`` in ``api_version`` (its CRD is installed and established).
+
+        Discovery, readable by every authenticated user (``system:discovery``): a 404 of the
+        group/version means the CRD is not installed, which a 404 of one object cannot tell apart.
+        """
+        try:
+            found = self.request("GET", f"/apis/{api_version}")
+        except ApiError as e:
+            if e.not_found:
+                return False
+            raise
+        return any(r.get("name") == plural for r in found.get("resources") or [])
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply ``obj`` (created when absent); the object as stored."""

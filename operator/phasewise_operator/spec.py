@@ -19,9 +19,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from phasewise_operator.gen_crds import (DEFAULT_KV_EVENTS_PORT, DEFAULT_KV_EVENTS_TOPIC, DEFAULT_POLICY,
-                                         DEFAULT_PREDICTOR, DEFAULT_PROFILE, GROUP_NAME_MAX, GROUP_NAME_PATTERN,
-                                         GROUP_NAME_RESERVED, PREFIX_MODES, RESERVED_GROUP_WORDS)
+from phasewise_operator.gen_crds import (DEFAULT_ENVOY_PORT, DEFAULT_FAILURE_MODE, DEFAULT_KV_EVENTS_PORT,
+                                         DEFAULT_KV_EVENTS_TOPIC, DEFAULT_PICKER_MODE, DEFAULT_POLICY,
+                                         DEFAULT_PREDICTOR, DEFAULT_PROFILE, EPP_PORTS, FAILURE_MODES,
+                                         GATEWAY_APP_PROTOCOLS, GROUP_NAME_MAX, GROUP_NAME_PATTERN,
+                                         GROUP_NAME_RESERVED, PICKER_MODES, PREFIX_MODES, RESERVED_GROUP_WORDS)
 
 Quantity = int | str
 
@@ -91,6 +93,37 @@ class Resources(_Spec):
         return {k: dict(v) for k, v in (("limits", self.limits), ("requests", self.requests)) if v}
 
 
+class TopologySpread(_Spec):
+    """One Kubernetes TopologySpreadConstraint; fields beyond the three required ones pass through unchanged."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow", allow_inf_nan=False)
+
+    max_skew: int = Field(ge=1)
+    """Most the pod count may differ between two domains."""
+    topology_key: str = Field(min_length=1)
+    """Node label of a domain, e.g. ``topology.kubernetes.io/zone``."""
+    when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"]
+    """What the scheduler does when the constraint cannot be met."""
+
+
+class DisruptionBudget(_Spec):
+    """A PodDisruptionBudget (``policy/v1``) for one set of the pool's pods."""
+
+    max_unavailable: Quantity
+    """Pods evicted at once by voluntary disruptions: a count or a percentage such as ``25%``."""
+
+    @field_validator("max_unavailable")
+    @classmethod
+    def _count_or_percent(cls, v: Quantity) -> Quantity:
+        if isinstance(v, int):
+            if v < 0:
+                raise ValueError("must be a count >= 0 or a percentage such as 25%")
+            return v
+        if not re.fullmatch(r"[0-9]+%?", v):
+            raise ValueError("must be a count >= 0 or a percentage such as 25%")
+        return int(v) if v.isdigit() else v
+
+
 class EngineSpec(_Spec):
     image: str | None = None
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
@@ -104,6 +137,13 @@ class EngineSpec(_Spec):
     startup_seconds: int = Field(default=1800, ge=10)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = None
+    """Kubernetes Affinity of the engine pods, passed through; None = none."""
+    topology_spread_constraints: list[TopologySpread] = Field(default_factory=list)
+    """Kubernetes TopologySpreadConstraints of the engine pods; one without ``labelSelector`` gets the
+    Deployment's own pod selector."""
+    pod_disruption_budget: DisruptionBudget | None = None
+    """A PodDisruptionBudget per engine Deployment; None = none."""
 
 
 class SidecarSpec(_Spec):
@@ -261,11 +301,65 @@ class RouterdSpec(_Spec):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     resources: Resources = Field(default_factory=Resources)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    pod_disruption_budget: DisruptionBudget | None = None
+    """A PodDisruptionBudget for the routerd pods; None = none."""
     service: ServiceSpec = Field(default_factory=ServiceSpec)
 
 
 class SecretRef(_Spec):
     name: str
+
+
+class InferencePoolSpec(_Spec):
+    """``spec.gateway.inferencePool``: the InferencePool the operator creates (GIE ``api/v1/inferencepool_types.go``)."""
+
+    enabled: bool = False
+    """Create the InferencePool ``<pool>`` (needs ``picker.enabled``)."""
+    target_port_number: int | None = Field(default=None, ge=1, le=65535)
+    """``spec.targetPorts[0].number``: the engines' OpenAI port; None = ``spec.engine.port``."""
+    app_protocol: Literal[GATEWAY_APP_PROTOCOLS] = "http"  # type: ignore[valid-type]
+    """``spec.appProtocol``: ``http`` (HTTP/1.1) or ``kubernetes.io/h2c``."""
+    failure_mode: Literal[FAILURE_MODES] = DEFAULT_FAILURE_MODE  # type: ignore[valid-type]
+    """``spec.endpointPickerRef.failureMode``: ``FailClose`` (GIE's default) or ``FailOpen``."""
+
+
+class EnvoySpec(_Spec):
+    """``spec.gateway.picker.envoy``: standalone mode, an Envoy sidecar beside each picker."""
+
+    enabled: bool = False
+    """Run the Envoy sidecar (and its ConfigMap, and the picker Service's ``http`` port)."""
+    image: str | None = None
+    """Envoy image; None = the operator's ``envoy_image`` setting."""
+    port: int = Field(default=DEFAULT_ENVOY_PORT, ge=1, le=65535)
+    """Envoy's client listener: container and Service port ``http``."""
+    resources: Resources = Field(default_factory=Resources)
+    """Resources of the Envoy container; empty = the operator's defaults."""
+
+
+class PickerSpec(_Spec):
+    """``spec.gateway.picker``: ``phasewise epp`` as the Deployment and Service ``<pool>-epp``."""
+
+    enabled: bool = False
+    """Run the picker."""
+    replicas: int = Field(default=1, ge=0)
+    """Picker replicas."""
+    mode: Literal[PICKER_MODES] = DEFAULT_PICKER_MODE  # type: ignore[valid-type]
+    """routerd's ``epp.mode``: ``full-duplex`` (gateways) or ``efficient`` (Phasewise's Envoy only)."""
+    resources: Resources = Field(default_factory=Resources)
+    """Resources of the picker container; empty = routerd's defaults."""
+    pod_disruption_budget: DisruptionBudget | None = None
+    """A PodDisruptionBudget for the picker pods; None = none."""
+    envoy: EnvoySpec = Field(default_factory=EnvoySpec)
+    """Standalone mode's Envoy sidecar."""
+
+
+class GatewaySpec(_Spec):
+    """``spec.gateway``: the pool behind an InferencePool-conformant gateway and/or Phasewise's own Envoy."""
+
+    inference_pool: InferencePoolSpec = Field(default_factory=InferencePoolSpec)
+    """The InferencePool the operator creates."""
+    picker: PickerSpec = Field(default_factory=PickerSpec)
+    """The Endpoint Picker Deployment."""
 
 
 class EngineGroupSpec(_Spec):
@@ -290,6 +384,10 @@ class EngineGroupSpec(_Spec):
     """Node labels; None = ``spec.engine.nodeSelector``."""
     tolerations: list[Toleration] | None = None
     """Tolerations; None = ``spec.engine.tolerations``."""
+    affinity: dict[str, Any] | None = None
+    """Affinity; None = ``spec.engine.affinity``."""
+    topology_spread_constraints: list[TopologySpread] | None = None
+    """Topology spread constraints; None = ``spec.engine.topologySpreadConstraints``."""
 
     @field_validator("name")
     @classmethod
@@ -320,6 +418,8 @@ class EngineGroup:
     resources: Resources
     node_selector: dict[str, str]
     tolerations: list[Toleration]
+    affinity: dict[str, Any] | None = None
+    topology_spread_constraints: tuple[TopologySpread, ...] = ()
 
     def field(self, name: str) -> str:
         """The spec path a user sets ``name`` (camelCase) at for this group, e.g.
@@ -346,6 +446,29 @@ class PoolSpec(_Spec):
     routerd: RouterdSpec = Field(default_factory=RouterdSpec)
     emulated: bool = False
     image_pull_secrets: list[SecretRef] = Field(default_factory=list)
+    gateway: GatewaySpec | None = None
+    """InferencePool and picker; None = neither (the pool renders as before the field existed)."""
+
+    @property
+    def inference_pool(self) -> bool:
+        """Whether the operator creates an InferencePool for the pool."""
+        return self.gateway is not None and self.gateway.inference_pool.enabled
+
+    @property
+    def picker(self) -> bool:
+        """Whether the pool runs ``phasewise epp``."""
+        return self.gateway is not None and self.gateway.picker.enabled
+
+    @property
+    def envoy(self) -> bool:
+        """Whether the picker runs with Phasewise's own Envoy sidecar (standalone mode)."""
+        return self.picker and self.gateway.picker.envoy.enabled  # type: ignore[union-attr]
+
+    @property
+    def target_port(self) -> int:
+        """The engines' port the InferencePool lists: ``inferencePool.targetPortNumber`` or ``engine.port``."""
+        n = self.gateway.inference_pool.target_port_number if self.gateway is not None else None
+        return self.engine.port if n is None else n
 
     @property
     def multi_model(self) -> bool:
@@ -364,14 +487,17 @@ class PoolSpec(_Spec):
             if self.model is None:
                 raise SpecError("spec.model", "set spec.model (one model) or spec.engineGroups (several)")
             return [EngineGroup("", None, self.model, e.replicas, list(e.args), list(e.env), e.resources,
-                                dict(e.node_selector), list(e.tolerations))]
+                                dict(e.node_selector), list(e.tolerations), e.affinity,
+                                tuple(e.topology_spread_constraints))]
 
         def pick(value, default):
             return default if value is None else value
 
         return [EngineGroup(g.name, i, g.model, pick(g.replicas, e.replicas), list(pick(g.args, e.args)),
                             list(pick(g.env, e.env)), pick(g.resources, e.resources),
-                            dict(pick(g.node_selector, e.node_selector)), list(pick(g.tolerations, e.tolerations)))
+                            dict(pick(g.node_selector, e.node_selector)), list(pick(g.tolerations, e.tolerations)),
+                            pick(g.affinity, e.affinity),
+                            tuple(pick(g.topology_spread_constraints, e.topology_spread_constraints)))
                 for i, g in enumerate(self.engine_groups)]
 
     def served_models(self) -> list[str]:
@@ -467,12 +593,15 @@ def parse_pool_spec(spec: dict[str, Any] | None) -> PoolSpec:
     Raises:
         SpecError: naming the first invalid field (``spec.…``), including what the
             schema's CEL rules check: exactly one of ``model`` and a non-empty
-            ``engineGroups``, and group names unique within the pool.
+            ``engineGroups``, group names unique within the pool, and the rules of
+            ``spec.gateway`` (an InferencePool needs the picker, Envoy's port is not one of
+            the picker's).
     """
     ps = _parse(PoolSpec, spec)
     if ps.engine_groups is None:
         if ps.model is None:
             raise SpecError("spec.model", "set spec.model (one model) or spec.engineGroups (several)")
+        _check_gateway(ps)
         return ps
     if ps.model is not None:
         raise SpecError("spec.engineGroups", "set spec.model or spec.engineGroups, not both")
@@ -483,7 +612,31 @@ def parse_pool_spec(spec: dict[str, Any] | None) -> PoolSpec:
         if g.name in seen:
             raise SpecError(f"spec.engineGroups[{i}].name", f"duplicate group name {g.name!r}")
         seen.add(g.name)
+    _check_gateway(ps)
     return ps
+
+
+def _check_gateway(ps: PoolSpec) -> None:
+    """The CEL rules of ``spec.gateway`` (gen_crds.gateway_schema), for specs stored before them."""
+    gw = ps.gateway
+    if gw is None:
+        return
+    picker = gw.picker
+    if gw.inference_pool.enabled and not picker.enabled:
+        raise SpecError("spec.gateway.picker.enabled", "gateway.inferencePool.enabled needs gateway.picker.enabled "
+                        "(the InferencePool's endpointPickerRef is the picker's Service)")
+    if picker.envoy.enabled and not picker.enabled:
+        raise SpecError("spec.gateway.picker.envoy.enabled",
+                        "picker.envoy.enabled needs picker.enabled (Envoy sends every request to the picker)")
+    if picker.mode == "efficient" and not picker.envoy.enabled:
+        raise SpecError("spec.gateway.picker.mode", "picker.mode efficient needs Phasewise's own Envoy "
+                        "(picker.envoy.enabled); gateways run full-duplex")
+    if picker.envoy.port in EPP_PORTS:
+        raise SpecError("spec.gateway.picker.envoy.port",
+                        f"envoy.port must differ from the picker's ports {', '.join(map(str, EPP_PORTS))}")
+    if gw.inference_pool.target_port_number is not None and gw.inference_pool.target_port_number == ps.sidecar.port:
+        raise SpecError("spec.gateway.inferencePool.targetPortNumber", "gateway.inferencePool.targetPortNumber is "
+                        "the state sidecar's gRPC port (sidecar.port), not an OpenAI endpoint")
 
 
 def parse_job_spec(spec: dict[str, Any] | None) -> JobSpec:
@@ -541,7 +694,14 @@ def check_pool(spec: PoolSpec) -> None:
         known = ", ".join(f for f in params_model.model_fields if f != "checkpoint") or "none"
         raise SpecError(f"spec.routing.params.{field}",
                         f"{err['msg']} (policy {routing.policy} takes: {known})") from None
-    resolve_profile(spec, pool_name="check")
+    profile = resolve_profile(spec, pool_name="check")
+    pre = spec.routing.prefix
+    if pre is not None and pre.block_size is not None and pre.block_size != profile.block_size:
+        # routerd refuses this at start (routerd.daemon.config.profile_checks): a pod in a crash loop.
+        raise SpecError("spec.routing.prefix.blockSize",
+                        f"{pre.block_size} differs from the block size {profile.block_size} of the pool's hardware "
+                        "profile; routerd counts cached tokens in the profile's blocks: set "
+                        "hardwareProfile.inline.blockSize to the engines' --block-size, or leave blockSize unset")
     if spec.predictor is not None and spec.predictor.name is not None and \
             spec.predictor.name not in predictor_names():
         raise SpecError("spec.predictor.name", f"unknown predictor {spec.predictor.name!r}; "

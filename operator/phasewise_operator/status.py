@@ -11,8 +11,20 @@ changes only when ``status`` does):
   (``Complete``).
 - **Degraded**: something needs a person: ``InvalidSpec`` (the message names the field),
   ``CheckpointNotFound``, ``ApplyFailed`` (the API server refused a child),
-  ``EngineFailed``/``RouterdFailed`` (a Deployment reports ReplicaFailure or missed
+  ``EngineFailed``/``RouterdFailed``/``PickerFailed`` (a Deployment reports ReplicaFailure or missed
   its progress deadline); else ``AsExpected``.
+
+With ``spec.gateway.picker``, Ready also needs a ready picker (``PickerNotReady``), and
+routerd's pods only while ``spec.routerd.replicas`` is above 0 (a gateway-only pool).
+With ``spec.gateway.inferencePool`` (:func:`gateway_conditions`):
+
+- **InferencePoolReady**: the InferencePool exists and its selector matches a ready pod.
+  Reasons ``Ready``, ``CRDNotInstalled`` (the Gateway API Inference Extension CRD is
+  missing: the rest of the pool is reconciled all the same), ``NotCreated``,
+  ``NoReadyEndpoints`` (the message names the selector).
+- **GatewayAccepted**: every parent (gateway) listed in the InferencePool's
+  ``status.parents`` has Accepted and ResolvedRefs True; else the first parent that does
+  not, with its own reason and message (``NoParents`` while no gateway lists it).
 """
 
 from __future__ import annotations
@@ -128,7 +140,8 @@ def _desired(dep: Mapping[str, Any] | None) -> int:
 def pool_status(*, engine: Mapping[str, Any] | None = None, routerd: Mapping[str, Any] | None,
                 slices: Iterable[Mapping[str, Any]], problem: Problem | None, generation: int, now: str,
                 previous_conditions: Iterable[Mapping[str, Any]] = (),
-                groups: Sequence[GroupObserved] | None = None) -> dict[str, Any]:
+                groups: Sequence[GroupObserved] | None = None, picker_wanted: bool = False,
+                picker: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The observed part of ``status``: conditions, replicas, readyInstances and endpoints
     (and ``engineGroups``, one entry per group, when ``groups`` is given).
 
@@ -145,6 +158,8 @@ def pool_status(*, engine: Mapping[str, Any] | None = None, routerd: Mapping[str
         now: RFC 3339 time for conditions that change now.
         groups: the engine groups of a multi-model pool, in spec order; ``replicas`` and
             ``readyInstances`` are then their sums.
+        picker_wanted: the pool runs ``phasewise epp`` (``spec.gateway.picker.enabled``).
+        picker: the picker's Deployment as read (None when absent).
     """
     prev = list(previous_conditions)
     multi = groups is not None
@@ -159,11 +174,17 @@ def pool_status(*, engine: Mapping[str, Any] | None = None, routerd: Mapping[str
     unready = [(name, model, d) for (name, model, d), r in zip(engines, ready_of) if r == 0]
     idle = [(name, model) for name, model, d in engines if d is not None and _desired(d) == 0]
 
-    if len(present) < len(engines) or routerd is None or not engines:
+    picker_ready = int(_dep_status(picker).get("readyReplicas", 0) or 0)
+    # A gateway-only pool (picker on, routerd scaled to 0) needs no routerd pod.
+    routerd_needed = not picker_wanted or desired_routerd_replicas > 0
+    if len(present) < len(engines) or routerd is None or not engines or (picker_wanted and picker is None):
         ready = (False, "NotCreated", problem.message if problem else "children not created yet")
     elif desired_engine_replicas == 0:
         ready = (False, "ScaledToZero", "every engine group has 0 replicas" if multi else "spec.engine.replicas is 0")
-    elif routerd_ready == 0:
+    elif picker_wanted and picker_ready == 0:
+        ready = (False, "PickerNotReady", "no picker pod is ready" if _desired(picker) else
+                 "spec.gateway.picker.replicas is 0")
+    elif routerd_needed and routerd_ready == 0:
         ready = (False, "RouterdNotReady", "no routerd pod is ready" if desired_routerd_replicas else
                  "spec.routerd.replicas is 0")
     elif multi and idle:
@@ -177,7 +198,8 @@ def pool_status(*, engine: Mapping[str, Any] | None = None, routerd: Mapping[str
         per_group = (" (" + ", ".join(f"{n} {r}/{_desired(d)}" for (n, _, d), r in zip(engines, ready_of)) + ")"
                      if multi else "")
         ready = (True, "Ready", f"{ready_instances}/{desired_engine_replicas} instances{per_group} and "
-                 f"{routerd_ready}/{desired_routerd_replicas} routerd ready")
+                 f"{routerd_ready}/{desired_routerd_replicas} routerd" +
+                 (f" and {picker_ready}/{_desired(picker)} picker" if picker_wanted else "") + " ready")
 
     parts = []
     for name, _, d in engines:
@@ -187,8 +209,13 @@ def pool_status(*, engine: Mapping[str, Any] | None = None, routerd: Mapping[str
     r_done, r_why = _dep_progress(routerd)
     if not r_done:
         parts.append(f"routerd: {r_why}")
+    if picker_wanted:
+        p_done, p_why = _dep_progress(picker)
+        if not p_done:
+            parts.append(f"picker: {p_why}")
     if not parts:
-        progressing = (False, "Complete", "engine and routerd are rolled out")
+        progressing = (False, "Complete", "engine, routerd and picker are rolled out" if picker_wanted else
+                       "engine and routerd are rolled out")
     else:
         progressing = (True, "RollingOut", "; ".join(parts))
 
@@ -201,6 +228,8 @@ def pool_status(*, engine: Mapping[str, Any] | None = None, routerd: Mapping[str
         degraded = (True, "EngineFailed", f"{where}: {e_fail[1]}")
     elif r_fail:
         degraded = (True, "RouterdFailed", f"routerd Deployment: {r_fail}")
+    elif picker_wanted and (p_fail := _dep_failure(picker)):
+        degraded = (True, "PickerFailed", f"picker Deployment: {p_fail}")
     else:
         degraded = (False, "AsExpected", "")
 
@@ -227,3 +256,86 @@ def same_status(current: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bo
     """Whether writing ``new`` over ``current`` would change nothing (skips a needless PATCH)."""
     current = current or {}
     return all(current.get(k) == v for k, v in new.items())
+
+
+GATEWAY_CONDITIONS = ("InferencePoolReady", "GatewayAccepted")
+"""Condition types of a pool with ``spec.gateway.inferencePool`` (after Ready, Progressing, Degraded)."""
+
+INFERENCE_POOL_CRD = "inferencepools.inference.networking.k8s.io"
+
+
+def _parent_name(parent: Mapping[str, Any]) -> str:
+    ref = parent.get("parentRef") or {}
+    kind = ref.get("kind") or "Gateway"
+    ns = ref.get("namespace")
+    return f"{kind} {ns + '/' if ns else ''}{ref.get('name', '?')}"
+
+
+def _parent_condition(parent: Mapping[str, Any], ctype: str) -> Mapping[str, Any] | None:
+    return next((c for c in parent.get("conditions") or [] if c.get("type") == ctype), None)
+
+
+def gateway_conditions(*, crd_served: bool, inference_pool: Mapping[str, Any] | None, name: str, selector: str,
+                       target_port: int, ready_endpoints: int, endpoints: int, now: str, generation: int,
+                       previous: Iterable[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+    """``InferencePoolReady`` and ``GatewayAccepted`` for a pool with ``spec.gateway.inferencePool``.
+
+    Args:
+        crd_served: whether the API server serves InferencePools (the GIE CRD is installed).
+        inference_pool: the InferencePool ``name`` as read (None when absent).
+        selector: its pod selector, as a label-selector string (for messages).
+        target_port: its target port (for messages).
+        ready_endpoints, endpoints: ready and all endpoints of the engine Service, whose
+            selector is the InferencePool's.
+        previous: the pool's current conditions (``lastTransitionTime`` is kept while unchanged).
+
+    ``GatewayAccepted`` reads ``status.parents[]`` as GIE defines it (``api/v1/inferencepool_types.go``:
+    ``ParentStatus`` with conditions ``Accepted`` and ``ResolvedRefs``), written by the gateways.
+    """
+    prev = list(previous)
+    if not crd_served:
+        why = (f"the API server does not serve {INFERENCE_POOL_CRD}: install the Gateway API Inference Extension "
+               "CRDs (e.g. config/crd/bases/inference.networking.k8s.io_inferencepools.yaml of "
+               "sigs.k8s.io/gateway-api-inference-extension v1.6.0); the rest of the pool is reconciled, and the "
+               "InferencePool is created once the CRD is there")
+        ready = (False, "CRDNotInstalled", why)
+        accepted = (False, "CRDNotInstalled", why)
+    elif inference_pool is None:
+        ready = (False, "NotCreated", f"InferencePool {name} not created yet")
+        accepted = (False, "NotCreated", f"InferencePool {name} not created yet")
+    else:
+        if ready_endpoints == 0:
+            ready = (False, "NoReadyEndpoints", f"InferencePool {name}: its selector {selector} matches no ready pod "
+                     f"(0/{endpoints} endpoints on port {target_port} ready); gateways answer its routes with 503")
+        else:
+            ready = (True, "Ready", f"InferencePool {name} selects {ready_endpoints}/{endpoints} ready endpoints "
+                     f"on port {target_port}")
+        parents = ((inference_pool.get("status") or {}).get("parents")) or []
+        accepted = (True, "Accepted", "")
+        if not parents:
+            accepted = (False, "NoParents", f"no gateway lists InferencePool {name} as accepted yet (an HTTPRoute "
+                        "whose backendRef is this InferencePool, on a gateway that supports it, makes it a parent)")
+        else:
+            names = []
+            for parent in parents:
+                who = _parent_name(parent)
+                names.append(who)
+                bad = None
+                for ctype in ("Accepted", "ResolvedRefs"):
+                    c = _parent_condition(parent, ctype)
+                    if c is None:
+                        bad = (f"Pending{ctype}", f"{who}: no {ctype} condition yet")
+                        break
+                    if c.get("status") != "True":
+                        bad = (c.get("reason") or f"Not{ctype}",
+                               f"{who}: {ctype} is {c.get('status')}" +
+                               (f" ({c.get('reason')})" if c.get("reason") else "") +
+                               (f": {c['message']}" if c.get("message") else ""))
+                        break
+                if bad is not None:
+                    accepted = (False, bad[0], bad[1])
+                    break
+            else:
+                accepted = (True, "Accepted", f"accepted with resolved references by {', '.join(names)}")
+    return [condition(t, st, reason, msg, now=now, generation=generation, previous=prev)
+            for t, (st, reason, msg) in zip(GATEWAY_CONDITIONS, (ready, accepted))]

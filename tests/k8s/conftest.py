@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from k8s.harness import ControlPlane, bin_dir, missing_binaries
+from k8s.harness import ControlPlane, bin_dir, inferencepool_crd, missing_binaries
 
 _HERE = Path(__file__).resolve().parent
 
@@ -86,3 +86,19 @@ def namespace(k8s, k8s_client) -> str:
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     yield name
     core.delete_namespace(name)
+
+
+@pytest.fixture(scope="session")
+def inferencepool_crd_installed(k8s) -> Path:
+    """The Gateway API Inference Extension's own InferencePool CRD, applied to the session's API server
+    (copied from its Go module by ``tools/k8s/build.sh``; skipped, or failed when required, without it)."""
+    path = inferencepool_crd(k8s.bin)
+    if not path.is_file():
+        reason = f"InferencePool CRD not in {path}; run tools/k8s/build.sh --crds"
+        if os.environ.get("PHASEWISE_K8S_REQUIRED"):
+            pytest.fail(f"PHASEWISE_K8S_REQUIRED is set but {reason}", pytrace=False)
+        pytest.skip(reason)
+    k8s.kubectl("apply", "--server-side", "-f", str(path))
+    k8s.kubectl("wait", "--for=condition=Established", "crd/inferencepools.inference.networking.k8s.io",
+                "--timeout=60s")
+    return path

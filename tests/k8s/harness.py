@@ -71,6 +71,17 @@ def bin_dir() -> Path:
         f"{v['kubernetes']}-etcd{v['etcd']}-helm{v['helm']}")
 
 
+def gie_version() -> str:
+    """The Gateway API Inference Extension version whose CRDs the tests install (tools/k8s/gie/go.mod)."""
+    return _required_version(TOOLS / "gie" / "go.mod", "sigs.k8s.io/gateway-api-inference-extension")
+
+
+def inferencepool_crd(directory: Path | None = None) -> Path:
+    """Where build.sh copies GIE's InferencePool CRD (``build.sh --crds`` alone does just that)."""
+    d = directory or bin_dir()
+    return d / "crds" / f"gie-v{gie_version()}" / "inference.networking.k8s.io_inferencepools.yaml"
+
+
 def missing_binaries(directory: Path | None = None, names=REQUIRED_BINARIES) -> list[str]:
     d = directory or bin_dir()
     return [n for n in names if not os.access(d / n, os.X_OK)]

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Build the Kubernetes test binaries (kube-apiserver, kube-controller-manager, kubectl,
-# etcd, helm) from their official Go modules into a cache directory outside the repo.
+# etcd, helm) from their official Go modules into a cache directory outside the repo, and
+# copy the Gateway API Inference Extension's InferencePool CRD out of its Go module.
+#
+#   tools/k8s/build.sh --crds       only the CRD step (seconds; no compiler run)
 #
 #   tools/k8s/build.sh              build what is missing, verify every --version
 #   tools/k8s/build.sh --print-bin  print the cache directory and exit
@@ -65,8 +68,8 @@ regen() {
 
 case "${1:-}" in
   --regen) regen; exit 0 ;;
-  --print-bin|"") ;;
-  *) echo "usage: $0 [--print-bin|--regen]" >&2; exit 2 ;;
+  --print-bin|--crds|"") ;;
+  *) echo "usage: $0 [--print-bin|--crds|--regen]" >&2; exit 2 ;;
 esac
 
 command -v go >/dev/null || { echo "build.sh: go not found (Go >= 1.26 needed)" >&2; exit 1; }
@@ -77,7 +80,26 @@ HELM=$(gomod_version "$HERE/helm" helm.sh/helm/v3)
 BIN=${PHASEWISE_K8S_BIN:-$HOME/.cache/phasewise/k8s/$K8S-etcd$ETCD-helm$HELM}
 if [ "${1:-}" = "--print-bin" ]; then echo "$BIN"; exit 0; fi
 
+# The InferencePool CRD (inference.networking.k8s.io/v1) for tests/k8s, from the module pinned in
+# tools/k8s/gie/go.mod and checked against its go.sum (nothing is compiled). Cached as
+# $BIN/crds/gie-v<version>/<file>; a warm cache costs one stat.
+GIE=$(gomod_version "$HERE/gie" sigs.k8s.io/gateway-api-inference-extension)
+GIE_CRD="$BIN/crds/gie-v$GIE/inference.networking.k8s.io_inferencepools.yaml"
+crds() {
+  [ -s "$GIE_CRD" ] && return 0
+  local dir
+  dir=$(cd "$HERE/gie" && go mod download -json sigs.k8s.io/gateway-api-inference-extension |
+    python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(d["Error"]) if d.get("Error") else print(d["Dir"])')
+  mkdir -p "$(dirname "$GIE_CRD")"
+  cp "$dir/config/crd/bases/inference.networking.k8s.io_inferencepools.yaml" "$GIE_CRD.tmp"
+  chmod 644 "$GIE_CRD.tmp"  # the module cache is read-only
+  mv -f "$GIE_CRD.tmp" "$GIE_CRD"
+  echo "build.sh: InferencePool CRD of gateway-api-inference-extension v$GIE in $GIE_CRD"
+}
+
 mkdir -p "$BIN"
+if [ "${1:-}" = "--crds" ]; then crds; exit 0; fi
+crds
 exec 9>"$BIN/.lock"
 flock 9
 
@@ -161,5 +183,6 @@ for b in kube-apiserver kube-controller-manager kubectl etcd helm; do
     echo "build.sh: $b: expected '$(want "$b")', got '$(got "$b")'" >&2; fail=1
   fi
 done
+[ -s "$GIE_CRD" ] || { echo "build.sh: InferencePool CRD missing: $GIE_CRD" >&2; fail=1; }
 [ "$fail" = 0 ] && echo "build.sh: binaries ready in $BIN"
 exit "$fail"

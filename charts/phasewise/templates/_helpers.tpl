@@ -56,7 +56,9 @@ The operator's permissions in a namespace: exactly the calls it makes.
 - pods: list, to show why a job's container failed;
 - events: kopf reports handler failures as Events;
 - roles/rolebindings it creates for routerd (read EndpointSlices) and job reporters (write one
-  ConfigMap): RBAC lets it grant only what it holds, hence configmaps update and endpointslices.
+  ConfigMap): RBAC lets it grant only what it holds, hence configmaps update and endpointslices;
+- spec.gateway and podDisruptionBudget: the picker's Service and Envoy ConfigMap, PodDisruptionBudgets
+  and the InferencePool (watched for the parents' status) are deleted when the spec drops them.
 */}}
 {{- define "phasewise.operatorRules" -}}
 - apiGroups: ["phasewise.io"]
@@ -70,9 +72,12 @@ The operator's permissions in a namespace: exactly the calls it makes.
   verbs: ["update"]
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["get", "create", "patch", "update"]
+  verbs: ["get", "create", "patch", "update", "delete"]
 - apiGroups: [""]
-  resources: ["services", "serviceaccounts"]
+  resources: ["services"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
   verbs: ["get", "create", "patch"]
 - apiGroups: [""]
   resources: ["pods"]
@@ -92,6 +97,15 @@ The operator's permissions in a namespace: exactly the calls it makes.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools/status"]
+  verbs: ["get"]
 {{- end -}}
 
 {{- define "phasewise.securityContext" -}}

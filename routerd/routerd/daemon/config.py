@@ -442,6 +442,43 @@ class ReloadConfig(_Model):
     read: a file still being written is never applied half-way. SIGHUP reads at once."""
 
 
+class EppConfig(_Model):
+    """``phasewise epp``: the Gateway API Inference Extension endpoint picker (:mod:`routerd.epp`),
+    an Envoy ext_proc server over the same router as ``phasewise serve``. Default ports are the
+    ecosystem's (``gateway-api-inference-extension`` and llm-d: ext_proc 9002, health 9003,
+    metrics 9090)."""
+
+    host: str = "0.0.0.0"
+    """Address the ext_proc, health and metrics listeners bind."""
+    port: int = Field(default=9002, ge=0, le=65535)
+    """ext_proc gRPC port (``envoy.service.ext_proc.v3.ExternalProcessor``; in efficient mode also
+    ``envoy.service.accesslog.v3.AccessLogService``); 0 picks a free one (logged)."""
+    health_port: int = Field(default=9003, ge=0, le=65535)
+    """gRPC health port (``grpc.health.v1``: ``liveness``, ``readiness``, the ext_proc service and
+    ""); 0 serves health on the ext_proc port instead of a listener of its own."""
+    metrics_port: int | None = Field(default=9090, ge=0, le=65535)
+    """HTTP port of ``/metrics`` (Prometheus), ``/healthz`` and ``/readyz``; 0 picks a free one,
+    null serves none."""
+    mode: Literal["full-duplex", "efficient"] = "full-duplex"
+    """``full-duplex``: Envoy sends both bodies in ``FULL_DUPLEX_STREAMED`` (what gateways
+    configure; every response chunk is echoed by the picker, which counts its tokens).
+    ``efficient``: only the request goes through the picker; the response never does, and each
+    request's completion (status, token count, times, the endpoint that served it) comes from the
+    Envoy configuration Phasewise ships (``phasewise epp --print-envoy-config --mode efficient``):
+    a Lua filter counts the SSE events and the gRPC access log brings them to the picker."""
+    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
+    """Largest request body the picker buffers (bytes); a larger one is answered 413."""
+    max_fallbacks: int = Field(default=2, ge=0, le=16)
+    """Fallback endpoints listed after the primary in ``x-gateway-destination-endpoint`` (the
+    least loaded other candidates, fewest in flight first); 0 lists the primary only."""
+    completion_timeout_s: float = Field(default=600.0, gt=0)
+    """Efficient mode: how long after Envoy ends a request's ext_proc stream (right after the
+    request phase: measured with Envoy 1.40) the picker waits for its access-log entry before
+    releasing the booking without one (s; counted in
+    ``phasewise_epp_streams_total{outcome="unreported"}``). Longer than any request may run:
+    an entry is lost only when Envoy's access-log stream to the picker breaks."""
+
+
 class Settings(_Model):
     """Everything ``phasewise serve`` is configured with."""
 
@@ -487,6 +524,8 @@ class Settings(_Model):
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM, how long queued and in-flight requests may take to finish (s)."""
     reload: ReloadConfig = Field(default_factory=ReloadConfig)
+    epp: EppConfig = Field(default_factory=EppConfig)
+    """``phasewise epp`` (the endpoint picker); ``phasewise serve`` ignores it."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     """``auto`` uses uvloop when it is installed."""
@@ -673,11 +712,15 @@ def profile_checks(profile: Any, prefix: Any) -> list[tuple[tuple, str]]:
     """``(field path, message)`` of each check that needs the hardware profile: ``profile`` must
     load (a known name or a readable profile YAML), and ``prefix.block_size``, when set, must equal
     its block size (the policies count a match's cached tokens in the profile's blocks). Values of
-    the wrong type are left to the field validation, which names them.
+    the wrong type are left to the field validation, which names them; so is a profile path that
+    does not exist here (a file the pod mounts, checked where it runs: the daemon loads it at start
+    and names it if it cannot).
     """
     from routerd.profiles import ProfileError, get_profile
 
     if not isinstance(profile, str):
+        return []
+    if ("/" in profile or profile.endswith((".yaml", ".yml"))) and not Path(profile).exists():
         return []
     try:
         prof = get_profile(profile)
