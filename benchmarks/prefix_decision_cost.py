@@ -15,7 +15,8 @@ timing. A second table, ``worst``, gives every instance the whole prompt (a syst
 the full length replicated everywhere), so every candidate's match walks every extent.
 
 Each timed pick is the policy's whole ``pick`` (scoring every candidate, its index's match per
-candidate and its insert into the chosen one), by the wall clock (``perf_counter_ns``) and by the
+candidate and its insert into the chosen one) plus what routerd reads right after it (the chosen
+engine's match in precise mode, the index's match at the insert, ``last_insert``, otherwise), by the wall clock (``perf_counter_ns``) and by the
 thread's CPU clock (``thread_time_ns``: what it costs; the wall clock also counts the time the
 thread was preempted, which dominates p99 on a shared machine); p50 and p99 over ``--n`` picks
 after 10% warm-up. The indexes defer their inserts as routerd's do (``PrefixIndex.defer_updates``:
@@ -23,6 +24,14 @@ routerd applies them, evictions included, on the next event-loop turn, after the
 its way), so a pick is the decision; ``+update`` is the pick plus that insert (its CPU clock),
 what the decision costs the event loop in all. The prefix hashing (``PrefixIdentity.blocks_for``, what
 routerd does once per request at parse) is timed apart, per prompt size and chunk size.
+
+``--modes precise`` measures routerd's precise mode the same way: prompts keyed per 16-token
+block from the emulator's byte tokenizer (:class:`~routerd.daemon.prefix.EngineKeyed`), each
+policy with ``prefix_source=precise``, and each view with an
+:class:`~routerd.prefix.engine_index.EngineBlockIndex` fed the ``BlockStored`` batches an engine
+would publish for the warm-up prompts sent to it (only the blocks it did not hold yet, keyed by
+content as vLLM's chained hashes are), so every candidate's match is the engine index's lookup.
+Tokenization is timed apart (``tokenize``), as the issue asks.
 
 Also the index's memory (``--memory-bound``): the process's RSS while a stream of unique 4K-token
 prompts fills 4 instances' index to the bound and goes on for twice as much again (it levels off
@@ -34,7 +43,7 @@ figures.
 
 Usage: python benchmarks/prefix_decision_cost.py [--n 3000] [--instances 4,8] [--tokens 1024,4096,8192]
        [--chunk-blocks 4,1] [--policies llmd,sglang_cache_aware,dynamo_kv,phasewise] [--load 16]
-       [--memory-bound 262144]
+       [--memory-bound 262144] [--modes approximate,precise]
 """
 
 from __future__ import annotations
@@ -100,50 +109,94 @@ def features(rid: int, tokens: int, prefix) -> RequestFeatures:
     return RequestFeatures(rid, 0.0, tokens, 1, 400.0, None, prefix)
 
 
+def engine_store(ep: EndpointState, prefix, text: str, seq: list[int]) -> None:
+    """Publish to ``ep``'s engine index the blocks of ``prefix`` (``text``'s EngineKeyed identity)
+    that it does not hold yet, as one ``BlockStored`` batch numbered ``seq[0]`` (then incremented):
+    what vLLM publishes once it has computed a prompt. The engine's block hashes are the keys
+    themselves (vLLM's hashes chain the content too); the token ids are the emulator's byte
+    tokenizer's, from which the index derives the same keys."""
+    from routerd.prefix.kv_wire import BlockStored, EventBatch
+    from routerd.prefix.text import byte_token_ids
+
+    idx = ep.engine_index
+    held = idx.cached_blocks(prefix) or 0
+    keys = [k for k, _ in prefix.extents]
+    if held >= len(keys):
+        return
+    bs = idx.block_size
+    toks = byte_token_ids(text)[held * bs: len(keys) * bs]
+    ev = BlockStored(block_hashes=keys[held:], parent_block_hash=keys[held - 1] if held else None,
+                     token_ids=toks, block_size=bs)
+    idx.apply(EventBatch(float(seq[0]), [ev]), seq[0])
+    seq[0] += 1
+
+
 def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conversations: int,
-            worst: bool) -> tuple[list[float], float]:
+            worst: bool, precise: bool = False) -> tuple[list[float], float]:
     """([p50, p99 with prefix, p50, p99 without] by the wall clock, then the same by the thread's CPU
     clock, then p50 and p99 of the decision plus its deferred insert by the CPU clock (us);
-    mean matched blocks on the chosen instance)."""
+    mean matched blocks on the chosen instance). ``precise``: routerd's precise mode (see the
+    module docstring); ``chunk`` is then unused."""
     prof = get_profile(PROFILE)
-    ident = PrefixIdentity(PrefixConfig(chunk_blocks=chunk), prof.block_size)
+    if precise:
+        from routerd.prefix.tokenize import load_tokenizer
+
+        ident = PrefixIdentity(PrefixConfig(mode="precise", tokenizer="bytes"), prof.block_size,
+                               load_tokenizer("bytes"))
+    else:
+        ident = PrefixIdentity(PrefixConfig(chunk_blocks=chunk), prof.block_size)
     rng = random.Random(tokens * 31 + m)
     nbytes = tokens * 4
     sys_bytes = nbytes if worst else nbytes // 4
     groups = [words(rng, sys_bytes) for _ in range(max(1, conversations * m // 4))]
     convs = [groups[c % len(groups)] + words(rng, nbytes - sys_bytes) for c in range(conversations * m)]
     hist = nbytes - NEW_TOKENS * 4
-    timed = []
+    timed, texts = [], []
     for k in range(n):
         c = rng.randrange(len(convs))
         text = convs[c][:hist] + words(rng, NEW_TOKENS * 4)
         timed.append(ident.blocks_for(text))
+        texts.append(text)
     eps = views(prof, m, load, np.random.default_rng(m))
 
     out: list[float] = []
     cpu_out: list[float] = []
     matched = []
     for with_prefix in (True, False):
-        # As routerd builds it in approximate mode: prefix_source follows the mode (these views have
-        # no KV events; precise mode's engine lookups are another cost, not measured here).
-        cfg = _with_prefix_source(PolicyConfig(name=name), "approximate")
+        # As routerd builds it: prefix_source follows the mode.
+        cfg = _with_prefix_source(PolicyConfig(name=name), "precise" if precise else "approximate")
         policy = build_routing_policy(cfg, prof, m, near_tie=0.05)
         for ix in prefix_indexes(policy):
             ix.limit_capacity(262_144)  # routerd's default bound
             ix.defer_updates = True  # as routerd: updated after the decision (Router._flush_soon)
         now = 1.0
+        seqs: dict[int, list[int]] = {}
+        if precise:
+            from routerd.prefix.engine_index import EngineBlockIndex
+            from routerd.prefix.kv_wire import EventBatch
+
+            for ep in eps:  # every engine's publisher joined from its batch 0: every index answers
+                ep.engine_index = EngineBlockIndex(prof.block_size, stale_after_s=None)
+                ep.engine_index.apply(EventBatch(0.0, []), 0)
+                seqs[ep.index] = [1]
         if worst:
             for ix in prefix_indexes(policy):
                 for ep in eps:
                     ix.set_capacity(ep.index, max(1, ep.kv_total_blocks)) if not ix.has_instance(ep.index) else None
                     ix.insert(ep.index, ident.blocks_for(convs[0]), now)
                     flush(ix)
+            if precise:
+                for ep in eps:
+                    engine_store(ep, ident.blocks_for(convs[0]), convs[0], seqs[ep.index])
         else:
             for c, text in enumerate(convs):  # the warm-up: every conversation's history sent once
                 view = ClusterView(now, eps, 1)
-                policy.pick(features(c, tokens, ident.blocks_for(text[:hist]) if with_prefix else None), view)
+                p = ident.blocks_for(text[:hist])
+                choice = policy.pick(features(c, tokens, p if with_prefix else None), view)
                 for ix in prefix_indexes(policy):
                     flush(ix)
+                if precise and choice is not None:
+                    engine_store(eps[choice], p, text[:hist], seqs[choice])
         gc.collect()
         ns: list[int] = []
         cpu_ns: list[int] = []
@@ -159,17 +212,31 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
             for ix in ixs:
                 ix.last_insert = None
             c, t = cpu(), wall()
-            policy.pick(f, view)
+            choice = policy.pick(f, view)
+            # What routerd's decision reads next (Router._decide): in precise mode the chosen
+            # engine's match, else the policy's index's match at the insert (last_insert, which a
+            # deferred insert searches on first read).
+            held, li = 0, None
+            if with_prefix and choice is not None:
+                if precise:
+                    held = eps[choice].engine_match(prefix) or 0
+                else:
+                    li = next((ix.last_insert for ix in ixs if ix.last_insert is not None), None)
             t, c = wall() - t, cpu() - c
             a = cpu()
             for ix in ixs:  # routerd's next event-loop turn, after the request is on its way
                 flush(ix)
             a = cpu() - a
+            if precise and with_prefix and choice is not None:
+                engine_store(eps[choice], prefix, texts[k], seqs[choice])  # the engine's events, later
             ns.append(t)
             cpu_ns.append(c)
             after_ns.append(c + a)
             if with_prefix and k >= n // 10:
-                li = next((ix.last_insert for ix in ixs if ix.last_insert is not None), None)
+                if precise:  # what the chosen engine held, by its KV events (before this prompt's)
+                    if choice is not None:
+                        matched.append(held)
+                    continue
                 if li is not None:
                     matched.append(li[1])
         out.extend(pct(ns[n // 10:]))
@@ -179,9 +246,17 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
     return out + cpu_out + list(total), float(np.mean(matched)) if matched else 0.0
 
 
-def hashing(tokens: int, chunk: int, n: int) -> tuple[float, float, int]:
+def hashing(tokens: int, chunk: int, n: int, precise: bool = False) -> tuple[float, float, int]:
+    """p50, p99 (us) of a prompt's identity at parse, and its extents; ``precise``: tokenized by the
+    emulator's byte tokenizer and keyed per block (``chunk`` unused)."""
     prof = get_profile(PROFILE)
-    ident = PrefixIdentity(PrefixConfig(chunk_blocks=chunk), prof.block_size)
+    if precise:
+        from routerd.prefix.tokenize import load_tokenizer
+
+        ident = PrefixIdentity(PrefixConfig(mode="precise", tokenizer="bytes"), prof.block_size,
+                               load_tokenizer("bytes"))
+    else:
+        ident = PrefixIdentity(PrefixConfig(chunk_blocks=chunk), prof.block_size)
     rng = random.Random(tokens)
     texts = [words(rng, tokens * 4 - 16) + f"{k:016d}" for k in range(64)]
     ns = []
@@ -234,7 +309,12 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=8, help="warm-up conversations per instance")
     ap.add_argument("--memory-bound", type=int, default=262_144,
                     help="prefix.index_capacity_blocks for the memory part (0: skip it)")
+    ap.add_argument("--modes", default="approximate,precise",
+                    help="prefix.mode values (precise: the engines' KV-event indexes, bytes tokenizer)")
     a = ap.parse_args()
+    modes = a.modes.split(",")
+    if not set(modes) <= {"approximate", "precise"}:
+        ap.error(f"--modes: approximate and/or precise, got {a.modes!r}")
     ms = [int(x) for x in a.instances.split(",")]
     sizes = [int(x) for x in a.tokens.split(",")]
     chunks = [int(x) for x in a.chunk_blocks.split(",")]
@@ -249,12 +329,15 @@ def main() -> None:
                   " at the end")
     gc.freeze()
 
-    print(f"prefix hashing (PrefixIdentity.blocks_for, once per request at parse), us; {a.n} prompts per row")
+    print(f"prefix hashing (PrefixIdentity.blocks_for, once per request at parse; precise: tokenization "
+          f"included), us; {a.n} prompts per row")
     print(f"{'tokens':>7} {'chunk_blocks':>12} {'extents':>8} {'p50':>8} {'p99':>8}")
-    for chunk in chunks:
+    cases = [(c, False) for c in chunks] if "approximate" in modes else []
+    cases += [(0, True)] if "precise" in modes else []
+    for chunk, precise in cases:
         for tokens in sizes:
-            p50, p99, ext = hashing(tokens, chunk, a.n)
-            print(f"{tokens:>7} {chunk:>12} {ext:>8} {p50:>8.1f} {p99:>8.1f}")
+            p50, p99, ext = hashing(tokens, chunk, a.n, precise)
+            print(f"{tokens:>7} {'tok' if precise else chunk:>12} {ext:>8} {p50:>8.1f} {p99:>8.1f}")
     for worst in (False, True):
         what = ("worst: the whole prompt cached on every instance" if worst else
                 "conversations: history on one instance, system prompt (1/4) on several")
@@ -263,14 +346,14 @@ def main() -> None:
         print(f"{'policy':>19} {'m':>2} {'tokens':>6} {'chunk':>5} | {'p50':>6} {'p99':>6} {'None':>5} {'None':>5} "
               f"{'x p50':>5} {'x p99':>5} | {'cpu p50':>7} {'p99':>6} {'None':>5} {'None':>5} {'x p50':>5} "
               f"{'x p99':>5} | {'+update p50':>11} {'p99':>6} | {'matched':>7}")
-        for chunk in chunks:
+        for chunk, precise in cases:
             for name in pols:
                 for m in ms:
                     for tokens in sizes:
-                        f, mb = measure(name, m, tokens, chunk, a.n, a.load, a.conversations, worst)
+                        f, mb = measure(name, m, tokens, chunk, a.n, a.load, a.conversations, worst, precise)
                         w50, w99, o50, o99, c50, c99, d50, d99, e50, e99 = f
                         flag = "" if c99 <= 100.0 else "  CPU p99 > 100 us"
-                        print(f"{name:>19} {m:>2} {tokens:>6} {chunk:>5} | {w50:6.1f} {w99:6.1f} {o50:5.1f} "
+                        print(f"{name:>19} {m:>2} {tokens:>6} {'tok' if precise else chunk:>5} | {w50:6.1f} {w99:6.1f} {o50:5.1f} "
                               f"{o99:5.1f} {w50 / o50:5.2f} {w99 / o99:5.2f} | {c50:7.1f} {c99:6.1f} {d50:5.1f} "
                               f"{d99:5.1f} {c50 / d50:5.2f} {c99 / d99:5.2f} | {e50:11.1f} {e99:6.1f} | {mb:7.1f}{flag}")
 

@@ -102,6 +102,29 @@ def test_long_prompts_bisect_and_walk_to_the_same_answers():
     assert f.idx.orphans == 0 and f.idx.cached_blocks(q) == 400
 
 
+def test_one_prompt_asked_of_several_engines_answers_as_the_walk_whatever_the_last_answer():
+    # A decision asks every candidate's engine about the same prompt, each answer the next one's
+    # hint (right, too short or too long): every answer equals the linear walk over the keys.
+    import random
+
+    rng = random.Random(3)
+    blocks = [[i, i + 1, i + 2, i + 3] for i in range(0, 4 * 300, 4)]
+    feeds = []
+    for held in (0, 1, 7, 150, 150, 151, 299, 300, 42, 150):  # leading blocks each engine holds
+        f = fresh()
+        if held:
+            f.send(stored(range(1, held + 1), None, *blocks[:held]))
+        feeds.append((f, held))
+    for _ in range(60):
+        n = rng.randrange(1, 301)
+        q = req(*blocks[:n])
+        for f, held in rng.sample(feeds, len(feeds)):
+            keys = f.idx._keys
+            walk = next((j for j, (k, _) in enumerate(q.extents) if k not in keys), n)
+            assert walk == min(held, n)
+            assert f.idx.cached_blocks(q) == walk, (n, held)
+
+
 def test_copies_of_one_hash_and_hashes_sharing_a_key_are_counted():
     f = fresh()
     # Two requests computed A in one step: two physical blocks with one hash (vLLM does not de-duplicate).

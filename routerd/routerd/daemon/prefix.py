@@ -61,7 +61,7 @@ class EngineKeyed(PrefixBlocks):
 
 
 def _engine_keyed(p: PrefixBlocks) -> EngineKeyed:
-    return EngineKeyed(p.extents, p.num_blocks, p.tail)
+    return EngineKeyed(p.extents, p.num_blocks, p.tail, p.unit)
 
 
 class PrefixIdentity:

@@ -124,11 +124,14 @@ class EndpointState(RequestBook):
         index, a prefix not keyed from token ids (``routerd.daemon.prefix.EngineKeyed``: text
         chunks never match engine keys), or a stale index (counted with its reason). None makes
         the policy use its approximate index for this endpoint."""
-        if self.engine_index is None:
+        idx = self.engine_index
+        if idx is None:
             return None  # approximate mode: asked of every candidate, so answered first
-        n = self.engine_match(prefix)
-        if n is None and self.on_prefix_fallback is not None and isinstance(prefix, EngineKeyed):
-            self.on_prefix_fallback(self.engine_index.stale_reason or "stale")
+        if not isinstance(prefix, EngineKeyed):
+            return None  # engine_match's answer, without its frame: this runs per candidate
+        n = idx.cached_blocks(prefix)
+        if n is None and self.on_prefix_fallback is not None:
+            self.on_prefix_fallback(idx.stale_reason or "stale")
         return n
 
     def on_first_token(self, r: Inflight) -> None:

@@ -118,6 +118,17 @@ _SETTLEABLE = frozenset(("late_join", "gap", "restart", "malformed", "unkeyed", 
 _MISSING = -1  # our keys are unsigned 64-bit: never negative
 
 
+_last_answer: tuple = ((), 0)
+"""The latest prompt (its extents) an engine index bisected and where its run ended: the hint for
+the next engine asked about the same prompt (one tuple, rebound whole, so threads sharing it never
+pair one prompt with another's answer)."""
+
+
+def _remember(ext: Any, k: int) -> None:
+    global _last_answer
+    _last_answer = (ext, k)
+
+
 class EngineBlockIndex:
     """The blocks one engine instance holds, keyed as requests key theirs, from its KV events.
 
@@ -259,12 +270,25 @@ class EngineBlockIndex:
             if ext[-1][0] in keys:
                 return n
             lo, hi = 1, n - 1  # ext[lo - 1] present, ext[hi] absent
+            # A decision asks every candidate's engine about one prompt, and engines that hold a
+            # conversation or a system prompt end at the same block: try the last answer first
+            # (two lookups when right; a wrong one still narrows the bisection).
+            seen, k = _last_answer
+            if seen is ext and lo <= k <= hi:
+                if ext[k - 1][0] in keys:
+                    if ext[k][0] not in keys:
+                        _remember(ext, k)
+                        return k
+                    lo = k + 1
+                else:
+                    hi = k - 1
             while lo < hi:
                 mid = (lo + hi) // 2
                 if ext[mid][0] in keys:
                     lo = mid + 1
                 else:
                     hi = mid
+            _remember(ext, lo)
             return lo
         total = 0
         for k, m in ext:

@@ -266,16 +266,49 @@ class PrefixIndex:
         insert itself only finds :attr:`last_insert` (a match). The next :meth:`match`,
         :meth:`insert`, :meth:`advance` or read of the entries flushes first, so every decision
         sees the index as without deferral."""
-        self._pending: list[tuple] = []
-        """Deferred inserts: :meth:`_insert`'s arguments, in order."""
+        self._pending: list[list] = []
+        """Deferred inserts, in order: ``[idx, items, prefix, instance, inserted, now, found]``,
+        ``found`` being :meth:`_found`'s ``(k, head, old)``, None until the first of a read of
+        :attr:`last_insert` and :meth:`flush` needs it."""
         self._hints: tuple = ((), ())
         """The latest prefix matched (its extents) and the answers found for it (at most 4,
         :func:`_wholly_cached`'s hints): a decision asks every candidate about one prefix."""
-        self.last_insert: tuple[int, int, int] | None = None
+        self._last_insert: tuple[int, int, int] | None = None
+        self._unseen: list | None = None
+        """The pending insert that :attr:`last_insert` reports once its match is found."""
+
+    @property
+    def last_insert(self) -> tuple[int, int, int] | None:
         """``(instance, matched blocks, inserted blocks)`` of the latest :meth:`insert` that had
         blocks to insert: how many of the request's leading blocks the index believed cached
         there just before (what routerd's ``phasewise_prefix_match_blocks`` observes). An
-        observer may reset it to None before a decision to tell whether the decision inserted."""
+        observer may reset it to None before a decision to tell whether the decision inserted.
+
+        With :attr:`defer_updates` that match is searched when this is first read, or at
+        :meth:`flush`, whichever comes first: the index cannot change in between (every other
+        operation flushes first), so the answer is the one at the insert. A caller that never
+        reads it (routerd when an engine's KV events answered) leaves the search to the flush,
+        after the decision."""
+        e = self._unseen
+        if e is not None:
+            self._report(e)
+        return self._last_insert
+
+    @last_insert.setter
+    def last_insert(self, value: tuple[int, int, int] | None) -> None:
+        self._unseen = None  # a pending insert is still applied at flush; only its report goes
+        self._last_insert = value
+
+    def _found_of(self, e: list) -> tuple[int, int, int]:
+        found = e[6]
+        if found is None:
+            found = e[6] = self._found(e[0], e[1], e[2])
+        return found
+
+    def _report(self, e: list) -> None:
+        _, head, old = self._found_of(e)
+        self._last_insert = (e[3], head + old, e[4])
+        self._unseen = None
 
     # --- state ----------------------------------------------------------------------------
 
@@ -449,14 +482,19 @@ class PrefixIndex:
             return
         idx = self._get(instance)
         items = self._items(prefix)
-        k, head, old = self._found(idx, items, prefix)
         inserted = prefix.num_blocks if items is prefix.extents else self.max_blocks
-        self.last_insert = (instance, head + old, inserted)
         if self.defer_updates:
             # The state the insert will meet is this one (anything else flushes first), so what
-            # it found now is what it would find then, colliding hashes included.
-            self._pending.append((idx, items, k, old, now))
+            # it finds then, or when last_insert is read first, is what it would find now,
+            # colliding hashes included.
+            e = [idx, items, prefix, instance, inserted, now, None]
+            self._pending.append(e)
+            self._unseen = e
+            self._last_insert = None
             return
+        k, head, old = self._found(idx, items, prefix)
+        self._last_insert = (instance, head + old, inserted)
+        self._unseen = None
         self._insert(idx, items, k, old, now)
 
     def _items(self, prefix: PrefixBlocks) -> "Sequence[tuple[int, int]]":
@@ -540,8 +578,11 @@ class PrefixIndex:
         pending = self._pending
         if pending:
             self._pending = []
-            for args in pending:
-                self._insert(*args)
+            for e in pending:
+                if e is self._unseen:
+                    self._report(e)
+                k, _, old = self._found_of(e)
+                self._insert(e[0], e[1], k, old, e[5])
 
     @staticmethod
     def _repair(idx: _InstanceIndex, run: _Run) -> None:
