@@ -1,8 +1,9 @@
 """``phasewise bench``: run several routing policies on one workload and compare them.
 
 Every policy sees the same requests (same arrivals, lengths and predictions), the same
-number of instances and the same hardware profile; each run is seeded, so a bench is
-reproducible. Summaries are computed by :func:`routerd.sim.report.summarize`.
+number of instances and the same hardware profiles (one for every instance, or one per
+instance in a mixed pool: :func:`routerd.profiles.parse_pool`); each run is seeded, so a
+bench is reproducible. Summaries are computed by :func:`routerd.sim.report.summarize`.
 
 Beyond one run: :func:`seed_workloads` draws one workload per seed (a generator re-drawn,
 a trace re-windowed), :class:`SeedsResult` pairs each policy with round robin seed by seed
@@ -27,7 +28,7 @@ import numpy as np
 from routerd.model import PREDICTOR_BUCKET_EDGES, Request
 from routerd.policies.base import PolicyContext, RoutingPolicy
 from routerd.policies.registry import build_policy_from_spec, parse_policy_spec
-from routerd.profiles import HardwareProfile, ProfileError
+from routerd.profiles import HardwareProfile, ProfileError, as_pool, pool_admission_profile, pool_label
 from routerd.sim import ClusterSimulator, prepare_requests
 from routerd.sim.report import Summary, arrays, summarize
 
@@ -97,8 +98,20 @@ def pct(value: float, base: float) -> float:
     return 100.0 * (value - base) / base if base else 0.0
 
 
+#: Every instance's profile, or one profile per instance (a mixed pool).
+PoolSpec = HardwareProfile | Sequence[HardwareProfile]
+
+
+def policy_context(profile: PoolSpec, instances: int, *, seed: int = 0,
+                   bucket_edges: tuple[int, ...] = PREDICTOR_BUCKET_EDGES) -> PolicyContext:
+    """The :class:`PolicyContext` of a pool: ``profile`` is the pool's first profile and
+    ``profiles`` one per instance (equal for a homogeneous pool)."""
+    pool = as_pool(profile, instances)
+    return PolicyContext(pool[0], instances, seed=seed, bucket_edges=bucket_edges, profiles=pool)
+
+
 def run_policy(
-    profile: HardwareProfile,
+    profile: PoolSpec,
     instances: int,
     policy: RoutingPolicy,
     requests: Sequence[Request],
@@ -108,15 +121,19 @@ def run_policy(
     action_interval_s: float = 0.02,
     progress: Callable[[int], None] | None = None,
 ):
-    """Simulate one policy; returns ``(ClusterRun, Prepared)``."""
-    prep = prepare_requests(requests, profile, prediction=prediction, edges=policy.ctx.bucket_edges, seed=seed)
-    sim = ClusterSimulator(profile, instances, policy, action_interval_s=action_interval_s)
+    """Simulate one policy; returns ``(ClusterRun, Prepared)``. ``profile``: every instance's,
+    or one per instance (requests are then prepared against
+    :func:`routerd.profiles.pool_admission_profile`)."""
+    pool = as_pool(profile, instances)
+    prep = prepare_requests(requests, pool_admission_profile(pool), prediction=prediction,
+                            edges=policy.ctx.bucket_edges, seed=seed)
+    sim = ClusterSimulator(pool, instances, policy, action_interval_s=action_interval_s)
     return sim.run(prep.requests, progress=progress), prep
 
 
 def run_bench(
     requests: Sequence[Request],
-    profile: HardwareProfile,
+    profile: PoolSpec,
     instances: int,
     policy_specs: Sequence[str],
     *,
@@ -128,6 +145,9 @@ def run_bench(
 ) -> BenchResult:
     """Run every policy in ``policy_specs`` (``name[:key=value,...]``) on ``requests``.
 
+    ``profile`` is every instance's profile or one per instance (a mixed pool); the result's
+    ``profile`` is then :func:`routerd.profiles.pool_label` (``2xA,2xB``).
+
     Raises:
         routerd.policies.registry.PolicyError: an unknown policy or a bad parameter.
         routerd.sim.PredictionError: a bad prediction mode.
@@ -135,21 +155,23 @@ def run_bench(
     import time
 
     ctx_edges = PREDICTOR_BUCKET_EDGES
+    pool = as_pool(profile, instances)
     # Build all policies first so a typo fails before any simulation time is spent.
     policies = [
-        build_policy_from_spec(spec, PolicyContext(profile, instances, seed=seed, bucket_edges=ctx_edges))
+        build_policy_from_spec(spec, policy_context(pool, instances, seed=seed, bucket_edges=ctx_edges))
         for spec in policy_specs
     ]
     out: BenchResult | None = None
-    fitting = sum(1 for r in requests if r.prompt_tokens < profile.max_model_len)
+    max_len = pool_admission_profile(pool).max_model_len
+    fitting = sum(1 for r in requests if r.prompt_tokens < max_len)
     for spec, policy in zip(policy_specs, policies):
         progress = progress_factory(spec, fitting) if progress_factory else None
         t0 = time.perf_counter()
-        run, prep = run_policy(profile, instances, policy, requests, prediction=prediction, seed=seed,
+        run, prep = run_policy(pool, instances, policy, requests, prediction=prediction, seed=seed,
                                action_interval_s=action_interval_s, progress=progress)
         wall = time.perf_counter() - t0
         if out is None:
-            out = BenchResult(workload_name, profile.name, instances, prediction, seed,
+            out = BenchResult(workload_name, pool_label(pool), instances, prediction, seed,
                               len(prep.requests), len(prep.rejected), prep.clipped)
         out.results.append(PolicyResult(spec, summarize(run), run.decisions, run.holds, wall,
                                         run.forced_dispatches, arrays(run)))
@@ -251,11 +273,12 @@ def seed_workloads(
     return out
 
 
-def load_to_rate(requests: Sequence[Request], profile: HardwareProfile, instances: int, load: float):
+def load_to_rate(requests: Sequence[Request], profile: PoolSpec, instances: int, load: float):
     """Rescale ``requests`` to ``load`` times round robin's saturated throughput.
 
     Capacity is :func:`routerd.sim.capacity.round_robin_capacity` on these requests and
-    this pool (the project's definition of load, ``docs/results.md``: 0.8x, 1.5x, 2x).
+    this pool (the project's definition of load, ``docs/results.md``: 0.8x, 1.5x, 2x);
+    ``profile`` is every instance's profile or one per instance (a mixed pool).
 
     Returns:
         ``(requests, capacity_rps, rate_rps)``.
@@ -526,14 +549,15 @@ class SloCapacity:
                 "isolated_summary": self.isolated.as_dict() if self.isolated else None}
 
 
-def isolated_requests(requests: Sequence[Request], profile: HardwareProfile,
+def isolated_requests(requests: Sequence[Request], profile: PoolSpec,
                       gap_s: float | None = None) -> list[Request]:
     """``requests`` re-timed so that none overlaps another: in arrival order, request ``i``
     arrives at ``i * gap_s`` (ids, token counts and prefixes unchanged).
 
     ``gap_s`` defaults to twice the longest lone E2E
     (:meth:`routerd.profiles.HardwareProfile.lone_request_time`, which ignores chunked
-    prefill, hence the margin); :func:`capacity_at_slo` checks the run and widens the gap if
+    prefill, hence the margin; the slowest of a pool's profiles); :func:`capacity_at_slo`
+    checks the run and widens the gap if
     some request still took longer than it. Returns a new list sorted by ``arrival_s``.
 
     Raises:
@@ -542,7 +566,9 @@ def isolated_requests(requests: Sequence[Request], profile: HardwareProfile,
     if not requests:
         raise ValueError("no requests to space out")
     if gap_s is None:
-        gap_s = 2 * max(profile.lone_request_time(r.prompt_tokens, max(r.output_tokens, 1)) for r in requests)
+        profs = [profile] if isinstance(profile, HardwareProfile) else list({id(p): p for p in profile}.values())
+        gap_s = 2 * max(p.lone_request_time(r.prompt_tokens, max(r.output_tokens, 1)) for r in requests
+                        for p in profs)
     if not (math.isfinite(gap_s) and gap_s > 0):
         raise ValueError(f"gap_s must be a finite number of seconds > 0, got {gap_s!r}")
     ordered = sorted(requests, key=lambda r: r.arrival_s)
@@ -570,7 +596,7 @@ def steady_rate_bound(requests: int, isolated: Summary) -> float:
 
 def capacity_at_slo(
     requests: Sequence[Request],
-    profile: HardwareProfile,
+    profile: PoolSpec,
     instances: int,
     spec: str,
     limits: dict[str, float],
@@ -620,14 +646,12 @@ def capacity_at_slo(
         raise ValueError(f"tol must be in (0, 1], got {tol!r}")
     if not limits or any(k not in SLO_METRICS for k in limits):
         raise ValueError(f"limits must name some of {', '.join(SLO_METRICS)}, got {sorted(limits)}")
-    ctx = PolicyContext(profile, instances, seed=seed, bucket_edges=PREDICTOR_BUCKET_EDGES)
-    build_policy_from_spec(spec, ctx)  # a bad spec fails before any simulation
+    build_policy_from_spec(spec, policy_context(profile, instances, seed=seed))  # a bad spec fails before any simulation
     probes: list[tuple[float, bool]] = []
     at: dict[float, Summary] = {}
 
     def simulate(reqs: list[Request]):
-        policy = build_policy_from_spec(spec, PolicyContext(profile, instances, seed=seed,
-                                                            bucket_edges=PREDICTOR_BUCKET_EDGES))
+        policy = build_policy_from_spec(spec, policy_context(profile, instances, seed=seed))
         run, _ = run_policy(profile, instances, policy, reqs, prediction=prediction, seed=seed,
                             action_interval_s=action_interval_s)
         return run

@@ -34,8 +34,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", "-w", default=DEFAULT_WORKLOAD,
                    help=f"one of {', '.join(WORKLOAD_NAMES)} or a trace path (default: {DEFAULT_WORKLOAD}, "
                         "the bundled Azure conv sample)")
-    p.add_argument("--profile", "-p", default=DEFAULT_PROFILE, help="hardware profile name or YAML path")
-    p.add_argument("--instances", "-m", type=int, default=DEFAULT_INSTANCES, help="number of instances")
+    p.add_argument("--profile", "-p", default=None,
+                   help=f"hardware profile name or YAML path of every instance (default: {DEFAULT_PROFILE})")
+    p.add_argument("--instances", "-m", default=str(DEFAULT_INSTANCES),
+                   help="number of instances (each of --profile), or a mixed pool of one model as COUNTxPROFILE "
+                        "items separated by ',' (e.g. 2xllama3.1-8b-a100,2xllama3.1-8b-h100; then no --profile)")
     p.add_argument("--policies", default=None,
                    help="policy specs separated by ';' or ',' (name or name:key=value|key=value); default: "
                         + ",".join(DEFAULT_BENCH_POLICIES))
@@ -249,10 +252,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                run_bench, seed_workloads, with_max_model_len)
     from routerd.bench_report import (format_capacity, format_intervals, format_study, format_table,
                                       plot_bench, plot_capacity, plot_cdfs, plot_changes, write_requests_csv)
-    from routerd.profiles import get_profile
+    from routerd.profiles import get_profile, parse_pool, pool_admission_profile, pool_label
 
-    if args.instances < 1:
+    try:
+        count: int | None = int(args.instances)
+    except ValueError:
+        count = None  # a pool: COUNTxPROFILE,...
+    if count is not None and count < 1:
         raise UsageError(f"--instances must be >= 1, got {args.instances}")
+    if count is None and args.profile is not None:
+        raise UsageError(f"--instances {args.instances} names each instance's profile; drop --profile "
+                         f"{args.profile}")
     if not (1e-4 <= args.action_interval < float("inf")):
         raise UsageError(f"--action-interval must be a finite number of seconds >= 1e-4, got {args.action_interval}")
     if args.seeds < 1:
@@ -274,19 +284,35 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(f"--slo-tolerance must be in (0, 1], got {args.slo_tolerance}")
     if args.max_model_len is not None and args.max_model_len < 1:
         raise UsageError(f"--max-model-len must be >= 1 tokens, got {args.max_model_len}")
-    profile = get_profile(args.profile)
-    if args.max_model_len is not None:
-        profile = with_max_model_len(profile, args.max_model_len)
+    if count is not None:
+        profile = get_profile(args.profile if args.profile is not None else DEFAULT_PROFILE)
+        if args.max_model_len is not None:
+            profile = with_max_model_len(profile, args.max_model_len)
+        pool = (profile,) * count
+    else:
+        pool = parse_pool(args.instances)
+        if args.max_model_len is not None:
+            changed = {p.name: with_max_model_len(p, args.max_model_len) for p in pool}
+            pool = tuple(changed[p.name] for p in pool)
+        count = len(pool)
+        if args.study8:
+            raise UsageError("--study8 runs 2 instances of one --profile; it takes no pool in --instances")
+    args.instances = count
+    # A pool of one profile runs exactly as --profile with a count; a mixed one as the tuple.
+    mixed = len({p.name for p in pool}) > 1
+    profile = pool if mixed else pool[0]
+    ref = pool_admission_profile(pool)  # the max_model_len every request must fit
+    label = pool_label(pool)
     # The 8-request study runs on 2 instances whatever --instances says.
     m = 2 if args.study8 else args.instances
     if args.policies is not None:
         specs = _split_specs(args.policies)
-        notes = _dqn_profile_notes(specs, profile.name)
+        notes = _dqn_profile_notes(specs, label)
     else:
         from routerd.policies.registry import default_bench_policies
 
         # ``dqn`` only where the shipped checkpoint fits; the notes are printed once the input is valid.
-        specs, notes = default_bench_policies(m, profile.name)
+        specs, notes = default_bench_policies(m, label)
     if not specs:
         raise UsageError("--policies is empty")
     if not args.prediction.startswith("predictor:"):
@@ -339,10 +365,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from routerd.model import bucket_of
     for seed, wl in zip(seeds, wls):
         requests, prediction = wl.requests, args.prediction
-        fitting = sum(1 for r in requests if r.prompt_tokens < profile.max_model_len)
+        fitting = sum(1 for r in requests if r.prompt_tokens < ref.max_model_len)
         if fitting == 0:
             raise UsageError(f"all {len(requests)} requests of {wl.name!r} are rejected: every prompt is "
-                             f">= max_model_len={profile.max_model_len} of profile {profile.name!r}")
+                             f">= max_model_len={ref.max_model_len} of profile {ref.name!r}")
         offered += len(requests)
         rejected += len(requests) - fitting
         if prediction.startswith("predictor:"):
@@ -376,13 +402,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if rejected > REJECTED_NOTE_FRACTION * offered:
         # vLLM refuses such prompts; a silent count in the header hides that the bench ran on part of the trace.
         long_ctx = "llama3.1-8b-h100"
-        hint = ("raise --max-model-len" if profile.name == long_ctx else
+        hint = ("raise --max-model-len" if ref.name == long_ctx else
                 f"use a long-context profile (--profile {long_ctx}) or raise --max-model-len")
         notes.append(f"{rejected} of {offered} requests of {wls[0].name!r} ({100 * rejected / offered:.0f}%) are "
-                     f"rejected: their prompts are >= max_model_len={profile.max_model_len} of profile "
-                     f"{profile.name!r}, so only the rest are simulated; {hint}")
+                     f"rejected: their prompts are >= max_model_len={ref.max_model_len} of profile "
+                     f"{ref.name!r}, so only the rest are simulated; {hint}")
     _print_notes(notes)
-    mml = f" max_model_len={profile.max_model_len} (--max-model-len)" if args.max_model_len is not None else ""
+    mml = f" max_model_len={ref.max_model_len} (--max-model-len)" if args.max_model_len is not None else ""
     base_progress = _progress_factory()
 
     def progress_for(seed: int):
@@ -392,7 +418,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if limits is not None:
         return _bench_capacity(args, profile, specs, per_seed, limits, out, plot_dir, outputs,
-                               format_capacity, plot_capacity, capacity_at_slo)
+                               format_capacity, plot_capacity, capacity_at_slo, label, ref)
 
     benches, loads = [], []
     for seed, wl, requests, prediction in per_seed:
@@ -423,7 +449,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     data = result.as_dict()
     descs = [wl.description for _, wl, _, _ in per_seed]
     data["workload_description"] = descs[0] if len(descs) == 1 else descs
-    data["max_model_len"] = profile.max_model_len
+    data["max_model_len"] = ref.max_model_len
+    if mixed:
+        data["pool"] = [p.name for p in pool]
     if args.load is not None:
         data["load"] = {"load": args.load, "capacity_rps": [c for c, _ in loads], "rate_rps": [r for _, r in loads]}
     text = json.dumps(data, indent=2)
@@ -442,7 +470,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_capacity(args, profile, specs, per_seed, limits, out, plot_dir, outputs, format_capacity,
-                    plot_capacity, capacity_at_slo) -> int:
+                    plot_capacity, capacity_at_slo, label, ref) -> int:
     """``phasewise bench --capacity-slo``: capacity at SLO per policy and seed."""
     from routerd.sim.capacity import round_robin_capacity
 
@@ -457,12 +485,12 @@ def _bench_capacity(args, profile, specs, per_seed, limits, out, plot_dir, outpu
                                               prediction=prediction, tol=args.slo_tolerance, start_rate=start,
                                               action_interval_s=args.action_interval))
     seeds = [s for s, _, _, _ in per_seed]
-    print(f"workload={per_seed[0][1].name} profile={profile.name} instances={args.instances} "
+    print(f"workload={per_seed[0][1].name} profile={label} instances={args.instances} "
           f"prediction={args.prediction}")
     print(format_capacity(caps, limits, seeds, args.slo_tolerance))
     data = {
-        "workload": per_seed[0][1].name, "profile": profile.name, "instances": args.instances,
-        "max_model_len": profile.max_model_len, "prediction": args.prediction, "seeds": seeds,
+        "workload": per_seed[0][1].name, "profile": label, "instances": args.instances,
+        "max_model_len": ref.max_model_len, "prediction": args.prediction, "seeds": seeds,
         "limits_s": limits, "tolerance": args.slo_tolerance, "round_robin_saturated_rps": starts,
         "workload_description": [wl.description for _, wl, _, _ in per_seed],
         "results": {spec: [c.as_dict() for c in cs] for spec, cs in caps.items()},

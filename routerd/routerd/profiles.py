@@ -22,6 +22,7 @@ import math
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -259,3 +260,111 @@ def _shipped_profile(name: str) -> HardwareProfile:
     if not path.exists():
         raise ProfileError(f"unknown profile {name!r}; valid: {', '.join(profile_names())}")
     return load_profile_file(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pools: one profile per instance (mixed GPU generations serving one model)
+
+
+class PoolError(ProfileError):
+    """A pool specification is malformed, or its profiles cannot serve one model together."""
+
+
+def profile_model(profile: HardwareProfile) -> str:
+    """The model a profile serves, from its name: everything before the last ``-`` (the
+    shipped naming ``<model>-<gpu>``: ``llama3.1-8b-h100`` serves ``llama3.1-8b``); a name
+    without ``-`` is its own model. Profiles carry no separate model field, so two profiles
+    of one model must be named with the same model part to be pooled."""
+    head, sep, _ = profile.name.rpartition("-")
+    return head if sep and head else profile.name
+
+
+def check_pool(profiles: Sequence[HardwareProfile]) -> None:
+    """Check that ``profiles`` (one per instance) can serve one model as one pool.
+
+    Raises:
+        PoolError: no profiles; two profiles of different models (:func:`profile_model`),
+            naming both; or two block sizes (the router keys prompts in one block size).
+    """
+    if not profiles:
+        raise PoolError("a pool needs at least one instance")
+    first = profiles[0]
+    for p in profiles[1:]:
+        if profile_model(p) != profile_model(first):
+            raise PoolError(
+                f"pool mixes profiles of different models: {first.name!r} serves {profile_model(first)!r}, "
+                f"{p.name!r} serves {profile_model(p)!r}; a pool serves one model (profiles are named "
+                "<model>-<gpu>)")
+        if p.block_size != first.block_size:
+            raise PoolError(f"pool mixes KV block sizes: {first.name!r} has {first.block_size}, {p.name!r} "
+                            f"has {p.block_size}; every instance of a pool must use one block size")
+
+
+def parse_pool(text: str) -> tuple[HardwareProfile, ...]:
+    """``"2xllama3.1-8b-a100,2xllama3.1-8b-h100"`` -> one profile per instance, in order.
+
+    Items are ``COUNT x PROFILE`` separated by ``,`` (spaces allowed around ``x`` and ``,``;
+    ``PROFILE`` a shipped name or a YAML path, as :func:`get_profile`).
+
+    Raises:
+        PoolError: an item that is not ``COUNT x PROFILE`` with ``COUNT >= 1`` (named), an
+            empty list, or profiles that cannot share a pool (:func:`check_pool`).
+        ProfileError: an unknown profile name (the message lists the valid ones) or an
+            invalid profile file.
+    """
+    out: list[HardwareProfile] = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        count, sep, name = item.partition("x")
+        count, name = count.strip(), name.strip()
+        if not sep or not count.isdigit() or not name:
+            raise PoolError(f"pool item {item!r}: expected COUNT x PROFILE, e.g. 2xllama3.1-8b-h100")
+        n = int(count)
+        if n < 1:
+            raise PoolError(f"pool item {item!r}: COUNT must be >= 1")
+        out.extend([get_profile(name)] * n)
+    if not out:
+        raise PoolError(f"pool {text!r} is empty; expected COUNT x PROFILE items separated by ','")
+    check_pool(out)
+    return tuple(out)
+
+
+def pool_label(profiles: Sequence[HardwareProfile]) -> str:
+    """A pool's name for tables: the profile's name when every instance has it, else
+    ``COUNTxNAME`` for each run of equal consecutive profiles, joined by ``,`` (what
+    :func:`parse_pool` reads back)."""
+    names = [p.name for p in profiles]
+    if len(set(names)) == 1:
+        return names[0]
+    runs: list[list] = []
+    for n in names:
+        if runs and runs[-1][1] == n:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, n])
+    return ",".join(f"{c}x{n}" for c, n in runs)
+
+
+def as_pool(profile: "HardwareProfile | Sequence[HardwareProfile]", instances: int) -> tuple[HardwareProfile, ...]:
+    """One profile per instance: ``profile`` repeated ``instances`` times, or the sequence as given.
+
+    Raises:
+        ValueError: a sequence whose length is not ``instances``.
+        PoolError: profiles that cannot share a pool (:func:`check_pool`).
+    """
+    if isinstance(profile, HardwareProfile):
+        return (profile,) * instances
+    pool = tuple(profile)
+    if len(pool) != instances:
+        raise ValueError(f"{len(pool)} profiles for {instances} instances; give one profile per instance")
+    check_pool(pool)
+    return pool
+
+
+def pool_admission_profile(profiles: Sequence[HardwareProfile]) -> HardwareProfile:
+    """The profile a pool's requests are prepared against (rejection and clipping at
+    ``max_model_len``): the first with the smallest ``max_model_len``, so every request kept
+    fits every instance (a router cannot know in advance which instance will serve it)."""
+    return min(profiles, key=lambda p: p.max_model_len)

@@ -180,6 +180,25 @@ class PolicyContext:
     picked at random (the policy's seeded generator). 0 (the simulator's setting): the best
     alone, as each policy's source defines it. routerd sets ``router.near_tie`` so that
     replicas deciding on the same stale view do not all pick the same instance (issue 15)."""
+    profiles: "tuple[HardwareProfile, ...]" = ()
+    """One profile per instance, by instance index (a mixed pool: GPUs of several generations
+    serving one model). Empty (the default) means ``profile`` for every instance, filled in at
+    construction. In a mixed pool ``profile`` is the pool's first profile: the one profile a
+    profile-blind policy is configured with, as routerd's single ``profile`` setting is."""
+
+    def __post_init__(self) -> None:
+        if not self.profiles:
+            self.profiles = (self.profile,) * self.num_instances
+        elif len(self.profiles) != self.num_instances:
+            raise ValueError(f"PolicyContext: {len(self.profiles)} profiles for {self.num_instances} instances")
+        else:
+            self.profiles = tuple(self.profiles)
+
+    @property
+    def homogeneous(self) -> bool:
+        """True when every instance has the same profile (compared by value)."""
+        first = self.profiles[0] if self.profiles else self.profile
+        return all(p is first or p == first for p in self.profiles)
 
 
 class PolicySetupError(ValueError):

@@ -74,6 +74,16 @@ def waiting_kv_blocks(instance: InstanceView) -> int:
     return sum(blocks_for(r.prompt_tokens + r.generated_tokens, bs) for r in instance.residents() if r.waiting)
 
 
+def kv_deficit_blocks(instance: InstanceView, need_blocks: int, reserve_fraction: float) -> int:
+    """KV blocks a request needing ``need_blocks`` lacks on ``instance`` (<= 0: it fits), the
+    test of :class:`LateBinding` without ``account_growth``: ``min(need, usable) - (usable -
+    used - waiting)`` with ``usable = floor(total * (1 - reserve_fraction))`` (blocks; ``need``
+    capped at ``usable`` so an oversized request still fits an empty instance)."""
+    usable = int(instance.kv_total_blocks * (1.0 - reserve_fraction))
+    need = need_blocks if need_blocks < usable else usable
+    return need - (usable - instance.kv_used_blocks - waiting_kv_blocks(instance))
+
+
 def committed_kv_blocks(instance: InstanceView, max_model_len: int) -> int:
     """Blocks the residents will hold at their predicted ends (at least what is used now)."""
     bs = instance.block_size

@@ -28,7 +28,7 @@ from routerd.policies.base import (
     RoutingPolicy,
 )
 from routerd.prefix.chain import PrefixBlocks
-from routerd.profiles import HardwareProfile
+from routerd.profiles import HardwareProfile, as_pool
 from routerd.sim.instance import AdmissionGate, SimInstance
 from routerd.sim.request import DECODE, WAITING, SimRequest
 
@@ -168,10 +168,11 @@ class ClusterRun:
 
 
 class ClusterSimulator:
-    """Runs one workload through a router policy and ``num_instances`` identical instances.
+    """Runs one workload through a router policy and ``num_instances`` instances.
 
     Args:
-        profile: hardware profile of every instance.
+        profile: hardware profile of every instance, or one profile per instance (a mixed
+            pool, :func:`routerd.profiles.as_pool`; ``self.profile`` is then the first).
         num_instances: number of instances (>= 1).
         policy: the routing policy (see :mod:`routerd.policies`).
         action_interval_s: router tick while requests are held (s).
@@ -180,7 +181,7 @@ class ClusterSimulator:
 
     def __init__(
         self,
-        profile: HardwareProfile,
+        profile: HardwareProfile | Sequence[HardwareProfile],
         num_instances: int,
         policy: RoutingPolicy,
         *,
@@ -191,14 +192,15 @@ class ClusterSimulator:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}")
         if not (1e-4 <= action_interval_s < math.inf):
             raise ValueError(f"action_interval_s must be a finite number of seconds >= 1e-4, got {action_interval_s}")
-        self.profile = profile
+        self.profiles = as_pool(profile, num_instances)
+        self.profile = self.profiles[0]
         self.policy = policy
         self.action_interval_s = action_interval_s
         self._heap: list[tuple[float, int, object]] = []
         self._seq = 0
         self.instances = [
-            SimInstance(i, profile, self._schedule_step, self._first_token, self._finish, admission_gate)
-            for i in range(num_instances)
+            SimInstance(i, prof, self._schedule_step, self._first_token, self._finish, admission_gate)
+            for i, prof in enumerate(self.profiles)
         ]
         self.queue: deque[SimRequest] = deque()
         self._idle_dispatched: list[SimInstance] = []
