@@ -661,6 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
 #: and raises :class:`routerd.errors.ConfigError` for bad input (one line, exit 2).
 _DATA_PLANE_COMMANDS = {
     "serve": "routerd.daemon.cli",
+    "epp": "routerd.epp.cli",
     "sidecar": "routerd.sidecar.cli",
     "emulate": "routerd.emulator.cli",
     "profile": "routerd.profiler.cli",

@@ -158,8 +158,13 @@ class Daemon:
 
     def __init__(self, settings: Settings, *, config_path: str | Path | None = None,
                  reload_overrides: dict[str, Any] | None = None,
-                 reload_override_flags: dict[str, str] | None = None) -> None:
+                 reload_override_flags: dict[str, str] | None = None, http_front: bool = True) -> None:
         self.settings = settings
+        self.http_front = http_front
+        """Serve the OpenAI-compatible HTTP front (False for ``phasewise epp``, whose front is
+        Envoy's ext_proc: :mod:`routerd.epp`)."""
+        self.ready_listeners: list[Any] = []
+        """Called with the new readiness (bool) whenever it may have changed (another front's health)."""
         self.config_path = Path(config_path) if config_path is not None else None
         self._overrides = reload_overrides or {}
         self._override_flags = reload_override_flags or {}
@@ -222,23 +227,8 @@ class Daemon:
         # routerd, a request must never reach an endpoint that does not serve its model.
         await self.model_lister.refresh()
         self._tasks.append(asyncio.create_task(self.model_lister.run()))
-        app = self.proxy.build_app()
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=0.5, keepalive_timeout=s.http.keepalive_timeout_s)
-        await self._runner.setup()
-        limit = effective_max_connections(s.http.max_connections)
-        if limit < s.http.max_connections:
-            log.warning("http.max_connections %d lowered to %d (half the open-file limit)",
-                        s.http.max_connections, limit)
-        self.frontend = Frontend(header_timeout_s=s.http.header_timeout_s,
-                                 keepalive_timeout_s=s.http.keepalive_timeout_s, max_connections=limit,
-                                 on_close=lambda why: self.metrics.client_connections_closed.labels(why).inc())
-        self.metrics.client_connections.set_function(self.frontend.conns.__len__)
-        # Our own listener rather than web.TCPSite: each connection is wrapped (frontend.py); aiohttp's
-        # handler still registers with its server, so the graceful shutdown of runner.cleanup() holds.
-        self._http_server = await self._loop.create_server(
-            self.frontend.factory(self._runner.server), s.http.host, s.http.port, backlog=1024, reuse_address=True)
-        self._site_port = self._http_server.sockets[0].getsockname()[1]
+        if self.http_front:
+            await self._start_http()
         if s.grpc.enabled:
             from routerd.daemon.grpc_api import GrpcServer
 
@@ -256,13 +246,35 @@ class Daemon:
         log.info("tie-break seed %d (router.tie_break_seed %s)", self.router.tie_seed,
                  "set" if s.router.tie_break_seed is not None else "unset: drawn for this process")
         self._log_prefix()
-        log.info("routerd listening on http://%s:%d%s; policy %s; predictor %s; %d endpoints", s.http.host,
-                 self.http_port,
+        log.info("routerd listening on %s%s; policy %s; predictor %s; %d endpoints",
+                 f"http://{s.http.host}:{self.http_port}" if self.http_front else "no HTTP front",
                  f", gRPC {s.grpc.host}:{self.grpc_port}" if self._grpc is not None else "",
                  s.policy.name if self.router.policy_name == s.policy.name
                  else f"{self.router.policy_name} (configured {s.policy.name}: its checkpoint is unusable)",
                  getattr(self.predictor, "name", "none") if self.predictor is not None else "none",
                  len(self.router.endpoints))
+
+    async def _start_http(self) -> None:
+        """Bind the OpenAI-compatible HTTP front (``http.host``/``http.port``)."""
+        s = self.settings
+        assert self._loop is not None
+        app = self.proxy.build_app()
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=0.5, keepalive_timeout=s.http.keepalive_timeout_s)
+        await self._runner.setup()
+        limit = effective_max_connections(s.http.max_connections)
+        if limit < s.http.max_connections:
+            log.warning("http.max_connections %d lowered to %d (half the open-file limit)",
+                        s.http.max_connections, limit)
+        self.frontend = Frontend(header_timeout_s=s.http.header_timeout_s,
+                                 keepalive_timeout_s=s.http.keepalive_timeout_s, max_connections=limit,
+                                 on_close=lambda why: self.metrics.client_connections_closed.labels(why).inc())
+        self.metrics.client_connections.set_function(self.frontend.conns.__len__)
+        # Our own listener rather than web.TCPSite: each connection is wrapped (frontend.py); aiohttp's
+        # handler still registers with its server, so the graceful shutdown of runner.cleanup() holds.
+        self._http_server = await self._loop.create_server(
+            self.frontend.factory(self._runner.server), s.http.host, s.http.port, backlog=1024, reuse_address=True)
+        self._site_port = self._http_server.sockets[0].getsockname()[1]
 
     @property
     def http_port(self) -> int:
@@ -604,8 +616,11 @@ class Daemon:
         return True, "ok"
 
     def _on_ready_change(self) -> None:
+        ready = self.readiness()[0]
         if self._grpc is not None:
-            self._grpc.set_serving(self.readiness()[0])
+            self._grpc.set_serving(ready)
+        for listener in self.ready_listeners:
+            listener(ready)
 
     def model_names(self) -> list[str]:
         """Served model names: ``models`` if configured, else the union of what the endpoints serve

@@ -133,6 +133,37 @@ def prompt_of(kind: str, payload: dict) -> tuple[int, str | None, str | list[int
     raise BadRequest("'prompt' must be a string, an array of strings, or an array of token ids", "prompt")
 
 
+def parse_request(kind: str, body: bytes) -> tuple[dict, bool, int, str | None, str | list[int] | None]:
+    """(payload, stream, estimated prompt tokens, prompt text for the predictor, prefix input) of
+    an inference request body (``kind``: ``completions`` or ``chat``); shared by the HTTP front
+    and the endpoint picker (:mod:`routerd.epp`).
+
+    Raises:
+        BadRequest: an empty body, not JSON, not an object, ``model`` missing or not a string,
+            ``stream`` not a boolean, ``prompt`` / ``messages`` missing or of the wrong type.
+    """
+    if not body:
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # '[[[[...' nested deeper than the parser's stack
+        raise BadRequest("request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string", "model")
+    stream = payload.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", "stream")
+    tokens, text, prefix_input = prompt_of(kind, payload)
+    return payload, stream, tokens, text, prefix_input
+
+
 def connection_named(values: Iterable[str]) -> frozenset[str]:
     """Header names (lower case) listed in ``Connection`` header values: hop-by-hop for this
     connection only, so a proxy must not forward them (RFC 9110 section 7.6.1)."""
@@ -161,6 +192,16 @@ def final_usage_tokens(tail: bytes) -> int | None:
         ct = usage.get("completion_tokens") if isinstance(usage, dict) else None
         return ct if type(ct) is int and ct >= 0 else None
     return None
+
+
+def stream_tokens(tail: bytes, events: int, chat: bool) -> int:
+    """Output tokens of an SSE stream relayed to its end: the final usage event's
+    ``completion_tokens`` if ``tail`` (the stream's last bytes) has one, else ``events`` (SSE
+    events counted) less ``[DONE]`` and, for ``chat``, the role-only first chunk vLLM sends."""
+    tokens = final_usage_tokens(tail)
+    if tokens is None:
+        tokens = max(0, events - (1 if _DONE in tail else 0) - (1 if chat else 0))
+    return tokens
 
 
 class _DeliveredThenClosed(asyncio.CancelledError):
@@ -527,26 +568,7 @@ class Proxy:
         return None
 
     def _validate(self, kind: str, body: bytes) -> tuple[dict, bool, int, str | None, str | list[int] | None]:
-        if not body:
-            raise BadRequest("request body is empty; expected a JSON object")
-        try:
-            payload = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
-        except RecursionError:  # '[[[[...' nested deeper than the parser's stack
-            raise BadRequest("request body is not valid JSON: nested too deeply", code="invalid_json") from None
-        if not isinstance(payload, dict):
-            raise BadRequest("request body must be a JSON object", code="invalid_json")
-        model = payload.get("model")
-        if not isinstance(model, str) or not model:
-            raise BadRequest("'model' is required and must be a non-empty string", "model")
-        stream = payload.get("stream", False)
-        if stream is None:
-            stream = False
-        if not isinstance(stream, bool):
-            raise BadRequest("'stream' must be a boolean", "stream")
-        tokens, text, prefix_input = prompt_of(kind, payload)
-        return payload, stream, tokens, text, prefix_input
+        return parse_request(kind, body)
 
     @staticmethod
     def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
@@ -753,12 +775,7 @@ class Proxy:
     def _finish_stream(self, request: web.Request, r, t0: float, relay: "_StreamRelay") -> None:
         """Record a stream relayed to its ``[DONE]``: tokens from the final usage event, else
         the SSE events less ``[DONE]`` and, for chat, the role-only first chunk vLLM sends."""
-        tail = relay.tail()
-        tokens = final_usage_tokens(tail)
-        if tokens is None:
-            tokens = relay.events - (1 if _DONE in tail else 0) - (1 if request.path.endswith("/chat/completions") else 0)
-            if tokens < 0:
-                tokens = 0
+        tokens = stream_tokens(relay.tail(), relay.events, request.path.endswith("/chat/completions"))
         self.d.observe_finished(r, t0, relay.t_first, tokens)
         self.d.metrics.count_response(200)
 

@@ -722,6 +722,13 @@ class Router:
                 return True
         return False
 
+    def candidates(self, model: str | None = None,
+                   exclude: frozenset[str] | set[str] = frozenset()) -> list[EndpointState]:
+        """The endpoints a request for ``model`` (None: any) could go to now, ``exclude`` left
+        out: ready, serving it, and not cooling down nor ejected (all ready ones if every one
+        is). A fresh list the caller may keep (the endpoint picker's fallbacks)."""
+        return list(self._candidates(exclude, self.clock(), model))
+
     @property
     def known(self) -> frozenset[str]:
         """Every model some present endpoint is known to serve (precomputed)."""
@@ -743,20 +750,26 @@ class Router:
         r.model = model
         return r
 
-    async def dispatch(self, r: Inflight, exclude: frozenset[str] | set[str] = frozenset()) -> EndpointState:
+    async def dispatch(self, r: Inflight, exclude: frozenset[str] | set[str] = frozenset(), *,
+                       retry: bool | None = None) -> EndpointState:
         """Queue ``r`` and wait for its endpoint; ``r`` is then in that endpoint's bookkeeping.
 
         The caller must call :meth:`finish` exactly once afterwards. A retry after a failed
         connect passes the endpoints to avoid in ``exclude`` and goes to the queue front.
+        ``retry`` (default: ``exclude`` is not empty) says whether ``r`` is such a retry: the
+        endpoint picker excludes the endpoints outside a gateway's subset hint for a new
+        request (``retry=False``), which queues, drains and is shed like any other.
 
         Raises:
             QueueFullError, NoEndpointError, DrainingError: the request is not dispatched.
             asyncio.CancelledError: the caller was cancelled; nothing stays booked.
         """
-        if self.draining and not exclude:
+        if retry is None:
+            retry = bool(exclude)
+        if self.draining and not retry:
             raise DrainingError("routerd is shutting down")
         q = self.queue
-        if not exclude and len(q) >= self.queue_limit:
+        if not retry and len(q) >= self.queue_limit:
             raise QueueFullError(f"router queue is full ({self.queue_limit} requests)")
         if self.no_endpoint_grace_s <= 0.0 and not self.has_candidate(exclude, r.model):
             raise NoEndpointError(_no_endpoint(r.model))
@@ -764,7 +777,7 @@ class Router:
         r.enqueued_at = self.clock()
         r.waiter = None
         r.error = None
-        q.push(r, self._key(r.model), front=bool(exclude))
+        q.push(r, self._key(r.model), front=retry)
         # An arrival is a decision point even when it is not the head (the simulator's rule):
         # the held head may fit now.
         self._decide()
@@ -836,6 +849,37 @@ class Router:
         if self.queue:
             self._decide()
         self._maybe_idle()
+        return True
+
+    def move(self, r: Inflight, ep: EndpointState) -> bool:
+        """Book ``r`` on ``ep`` instead of the endpoint it was dispatched to: a gateway served it on
+        a fallback (the endpoint picker's served-endpoint report). The old endpoint is released as
+        at :meth:`finish` (its policy told), and ``r`` keeps its first-token and token counts.
+        Returns False when ``r`` is finished or already on ``ep``."""
+        old = r.endpoint
+        if old is None or old is ep or r.done or ep.removed:
+            return False
+        first, generated = r.first_token, r.generated
+        if not old.remove(r):
+            return False
+        now = self.clock()
+        if not old.requests:
+            old.idle_since = now
+            if old.removed:
+                self._drop_removed()
+        try:
+            (r.policy if r.policy is not None else self.policy).on_complete(old.index, r.rid, now)
+        except Exception:  # noqa: BLE001 - a policy bug must not leak the request's bookkeeping
+            log.exception("policy %s: on_complete failed", self.policy_name)
+        # Not through finish(): the request stays in flight, so drain must not see a moment idle.
+        r.reset_for_retry()
+        ep.add(r, now)
+        if first:
+            ep.on_first_token(r)
+        if generated:
+            ep.on_tokens(r, generated)
+        if self.queue:
+            self._decide()
         return True
 
     def note_connect_failure(self, ep: EndpointState) -> None:

