@@ -736,14 +736,23 @@ def routerd_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
     }
+    return _router_deployment(pool, spec, routerd_name(pool.name), "routerd", r.replicas, [container], volumes,
+                              {ANNOTATION_RESTART_HASH: restart_hash(rs)})
+
+
+def _router_deployment(pool: PoolRef, spec: PoolSpec, name: str, component: str, replicas: int,
+                       containers: list[dict[str, Any]], volumes: list[dict[str, Any]],
+                       annotations: dict[str, str]) -> dict[str, Any]:
+    """A Deployment of the router's process (routerd, or the endpoint picker): routerd's
+    ServiceAccount, the restricted pod security context, surge-only rolling updates, and time
+    to drain (routerd drains queued and in-flight requests for drain_timeout_s after SIGTERM)."""
     pod_spec: dict[str, Any] = {
         "serviceAccountName": routerd_name(pool.name),
         "automountServiceAccountToken": True,
         "enableServiceLinks": False,
         "securityContext": pod_security_context(),
-        "containers": [container],
+        "containers": containers,
         "volumes": volumes,
-        # routerd drains queued and in-flight requests for drain_timeout_s after SIGTERM.
         "terminationGracePeriodSeconds": int(ROUTERD_DRAIN_S) + 15,
     }
     if spec.image_pull_secrets:
@@ -751,16 +760,13 @@ def routerd_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(pool, routerd_name(pool.name), "routerd"),
+        "metadata": _meta(pool, name, component),
         "spec": {
-            "replicas": r.replicas,
-            "selector": {"matchLabels": selector(pool.name, "routerd")},
+            "replicas": replicas,
+            "selector": {"matchLabels": selector(pool.name, component)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {
-                "metadata": {"labels": labels(pool.name, "routerd"),
-                             "annotations": {ANNOTATION_RESTART_HASH: restart_hash(rs)}},
-                "spec": pod_spec,
-            },
+            "template": {"metadata": {"labels": labels(pool.name, component), "annotations": annotations},
+                         "spec": pod_spec},
         },
     }
 
@@ -908,29 +914,8 @@ def picker_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings,
         volumes.append({"name": "envoy-config", "configMap": {"name": envoy_configmap_name(pool.name)}})
         # A static bootstrap is read once: a new one must roll the pods.
         annotations[ANNOTATION_CONFIG_HASH] = short_hash(envoy_config(spec))
-    pod_spec: dict[str, Any] = {
-        "serviceAccountName": routerd_name(pool.name),
-        "automountServiceAccountToken": True,
-        "enableServiceLinks": False,
-        "securityContext": pod_security_context(),
-        "containers": containers,
-        "volumes": volumes,
-        "terminationGracePeriodSeconds": int(ROUTERD_DRAIN_S) + 15,
-    }
-    if spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _meta(pool, picker_name(pool.name), "epp"),
-        "spec": {
-            "replicas": p.replicas,
-            "selector": {"matchLabels": selector(pool.name, "epp")},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {"metadata": {"labels": labels(pool.name, "epp"), "annotations": annotations},
-                         "spec": pod_spec},
-        },
-    }
+    return _router_deployment(pool, spec, picker_name(pool.name), "epp", p.replicas, containers, volumes,
+                              annotations)
 
 
 def picker_service(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
