@@ -319,7 +319,8 @@ def main() -> None:
             if name in results:
                 print(f"{name}: Envoy + picker CPU per request = {sum(results[name]['cpu_ms']) / rc:.2f}x routerd's")
     for name, (p50, p99, pol50, pol99) in decision.items():
-        print(f"{name}: picker decision (end of body -> answer ready, no gRPC transport) p50 <= {p50 * 1e6:.0f} us, "
+        print(f"{name}: picker decision (picker thread CPU from end of body to answer ready; predictor batch, "
+              f"waits and gRPC transport excluded) p50 <= {p50 * 1e6:.0f} us, "
               f"p99 <= {p99 * 1e6:.0f} us (bucket bounds); the policy's own p50 <= {pol50 * 1e6:.1f} us, "
               f"p99 <= {pol99 * 1e6:.1f} us")
     if complete is not None:

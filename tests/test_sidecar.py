@@ -316,13 +316,13 @@ def test_watch_state_honours_min_interval():
                 stub = instance_state_pb2_grpc.InstanceStateServiceStub(ch)
                 call = stub.WatchState(WatchStateRequest(min_interval_s=0.2))
                 times, states = [], []
-                t0 = time.monotonic()
-                while time.monotonic() - t0 < 1.0:
+                for _ in range(5):  # sent at ~0 s, 0.2 s, ..., 0.8 s while scrapes run at 100/s
                     states.append(await call.read())
                     times.append(time.monotonic())
                 call.cancel()
                 gaps = [b - a for a, b in zip(times, times[1:])]
-                assert 4 <= len(states) <= 7, gaps  # at ~0 s, 0.2 s, ..., 1.0 s; scrapes run at 100/s
+                # Never two sends closer than the minimum interval (no upper bound: a busy machine
+                # only slows them down, issue 19; a CI run once saw 0.24 and 0.35 s).
                 assert min(gaps) > 0.15, gaps
                 # Each send is the newest snapshot: far more scrapes than sends happened in between.
                 assert states[-1].sequence - states[0].sequence >= 20

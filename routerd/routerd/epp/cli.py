@@ -158,6 +158,7 @@ async def serve_forever(settings, config_path, overrides, flags) -> int:
     """The picker's process: a daemon without its HTTP front (nor routerd's gRPC API), and the
     picker's listeners, until SIGTERM/SIGINT (drain, then exit 0); SIGHUP reloads."""
     import asyncio
+    import gc
     import signal
 
     from routerd.daemon.app import Daemon
@@ -177,6 +178,12 @@ async def serve_forever(settings, config_path, overrides, flags) -> int:
     try:
         await daemon.start()
         await epp.start()
+        # As routerd's process does (Daemon.serve_forever): the objects made at start-up live as
+        # long as the process, out of the collector's way; the young generation collected less
+        # often (each stream makes a few hundred short-lived objects: protobuf, gRPC, asyncio).
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(20_000, 20, 20)
         while not stop.is_set():
             waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(hup.wait())]
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)

@@ -118,6 +118,26 @@ class _NullTransport:
 
 _NULL = _NullTransport()
 
+# Constant answers, built once: gRPC serializes a message when it is written and never changes
+# it, so one object serves every stream.
+_REQUEST_TRAILERS_DONE = ep_pb2.ProcessingResponse(request_trailers=ep_pb2.TrailersResponse())
+_RESPONSE_HEADERS_DONE = ep_pb2.ProcessingResponse(response_headers=ep_pb2.HeadersResponse())
+_RESPONSE_TRAILERS_DONE = ep_pb2.ProcessingResponse(response_trailers=ep_pb2.TrailersResponse())
+
+
+def _body_response(phase: str, chunk: bytes, end_of_stream: bool) -> ep_pb2.ProcessingResponse:
+    """A BodyResponse of ``phase`` (``request_body`` / ``response_body``) whose
+    ``body_mutation.streamed_response`` carries ``chunk``. Built by setting fields in place:
+    about 4x cheaper than nesting constructors (upb copies each nested message it is given)."""
+    m = ep_pb2.ProcessingResponse()
+    sr = getattr(m, phase).response.body_mutation.streamed_response
+    sr.SetInParent()  # present even when empty: an empty CommonResponse makes Envoy answer 500
+    if chunk:
+        sr.body = chunk
+    if end_of_stream:
+        sr.end_of_stream = True
+    return m
+
 
 class EppMetrics:
     """The picker's own series (``phasewise_epp_*``), in the daemon's registry beside routerd's."""
@@ -290,12 +310,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     for o in out:
                         yield o
                     if ended_by == "trailers":
-                        yield ep_pb2.ProcessingResponse(request_trailers=ep_pb2.TrailersResponse())
+                        yield _REQUEST_TRAILERS_DONE
                     body = bytearray()
                     continue
                 # -- after the decision ---------------------------------------------
                 if which == "request_trailers":
-                    yield ep_pb2.ProcessingResponse(request_trailers=ep_pb2.TrailersResponse())
+                    yield _REQUEST_TRAILERS_DONE
                 elif which == "response_headers":
                     self._served(booking, msg)
                     h = _header_map(msg.response_headers.headers)
@@ -306,10 +326,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     if booking.stream and booking.status == 200 and h.get("content-type", "").startswith(
                             "text/event-stream"):
                         booking.relay = _StreamRelay(_NULL, False, None, booking.ep, booking.r)
-                    yield ep_pb2.ProcessingResponse(response_headers=ep_pb2.HeadersResponse())
+                    # A request ends before its last answer goes back: whoever sees that answer
+                    # (Envoy, a test) then sees the booking released.
                     if msg.response_headers.end_of_stream:
                         done = True
                         self._complete(booking)
+                    yield _RESPONSE_HEADERS_DONE
                 elif which == "response_body":
                     self._served(booking, msg)
                     rb = msg.response_body
@@ -320,22 +342,18 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                             relay.sink(chunk)
                         elif len(booking.body) < _KEEP_BODY:
                             booking.body += chunk
-                    yield ep_pb2.ProcessingResponse(response_body=ep_pb2.BodyResponse(response=ep_pb2.CommonResponse(
-                        body_mutation=ep_pb2.BodyMutation(streamed_response=ep_pb2.StreamedBodyResponse(
-                            body=chunk, end_of_stream=rb.end_of_stream)))))
                     if rb.end_of_stream:
                         done = True
                         self._complete(booking)
+                    yield _body_response("response_body", chunk, rb.end_of_stream)
                 elif which == "response_trailers":
-                    yield ep_pb2.ProcessingResponse(response_trailers=ep_pb2.TrailersResponse())
                     if not done:
                         done = True
                         self._complete(booking)
+                    yield _RESPONSE_TRAILERS_DONE
                 elif which == "request_body":
                     # Body after its end (should not happen): echo it so nothing is lost.
-                    yield ep_pb2.ProcessingResponse(request_body=ep_pb2.BodyResponse(response=ep_pb2.CommonResponse(
-                        body_mutation=ep_pb2.BodyMutation(streamed_response=ep_pb2.StreamedBodyResponse(
-                            body=msg.request_body.body, end_of_stream=msg.request_body.end_of_stream)))))
+                    yield _body_response("request_body", msg.request_body.body, msg.request_body.end_of_stream)
         finally:
             if booking is not None and not done:
                 if self.efficient:
@@ -433,25 +451,26 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             others.sort(key=lambda e: len(e.requests))
             dest += [endpoint_address(e) for e in others[:n_fb]]
         value = ",".join(dest)
-        set_headers = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
-                                                  append_action=_OVERWRITE)
-                       for k, v in ((DEST_HEADER, value), (REQUEST_ID_HEADER, rid))]
+        # Fields set in place (nesting constructors copies each sub-message: 26 us against 8 us).
+        first = ep_pb2.ProcessingResponse()
+        common = first.request_headers.response
+        common.clear_route_cache = True
+        set_headers = common.header_mutation.set_headers
+        for k, v in ((DEST_HEADER, value), (REQUEST_ID_HEADER, rid)):
+            h = set_headers.add()
+            h.header.key = k
+            h.header.raw_value = v.encode()
+            h.append_action = _OVERWRITE
         if body or "content-length" in headers:
-            set_headers.append(base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key="content-length", raw_value=str(len(body)).encode()),
-                append_action=_OVERWRITE))
-        md = struct_pb2.Struct()
-        md.get_or_create_struct(LB_NAMESPACE)[DEST_HEADER] = value
-        out = [ep_pb2.ProcessingResponse(
-            request_headers=ep_pb2.HeadersResponse(response=ep_pb2.CommonResponse(
-                header_mutation=ep_pb2.HeaderMutation(set_headers=set_headers), clear_route_cache=True)),
-            dynamic_metadata=md)]
+            h = set_headers.add()
+            h.header.key = "content-length"
+            h.header.raw_value = str(len(body)).encode()
+            h.append_action = _OVERWRITE
+        first.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[DEST_HEADER].string_value = value
+        out = [first]
         if body:
             for i in range(0, len(body), BODY_PIECE):
-                piece = body[i:i + BODY_PIECE]
-                out.append(ep_pb2.ProcessingResponse(request_body=ep_pb2.BodyResponse(response=ep_pb2.CommonResponse(
-                    body_mutation=ep_pb2.BodyMutation(streamed_response=ep_pb2.StreamedBodyResponse(
-                        body=piece, end_of_stream=i + BODY_PIECE >= len(body)))))))
+                out.append(_body_response("request_body", body[i:i + BODY_PIECE], i + BODY_PIECE >= len(body)))
         if r.waiter is None:
             cpu += time.thread_time() - t  # dispatched at once (Router.dispatch made no waiter): nothing else ran
         self.m.decision.observe(cpu)
