@@ -833,8 +833,11 @@ class Daemon:
                 log.exception("reload failed")
 
     # -- the process -------------------------------------------------------------
-    async def serve_forever(self) -> int:
-        """Start, then run until SIGTERM/SIGINT (drain, stop, return 0); SIGHUP reloads."""
+    async def serve_forever(self, fronts: Sequence[Any] = ()) -> int:
+        """Start, then run until SIGTERM/SIGINT (drain, stop, return 0); SIGHUP reloads.
+
+        ``fronts``: more fronts on this daemon (``start()`` after it, ``stop()`` before it: the
+        endpoint picker, :class:`routerd.epp.server.EppServer`)."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         hup = asyncio.Event()
@@ -843,6 +846,8 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, hup.set)
         try:
             await self.start()
+            for front in fronts:
+                await front.start()
             # The objects made at start-up (modules, settings, the policy) live as long as the
             # process: move them out of the collector's way, and collect the young generation
             # less often (each request makes a few hundred short-lived containers).
@@ -862,5 +867,7 @@ class Daemon:
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+            for front in reversed(fronts):
+                await front.stop()
             await self.stop()
             log.info("routerd stopped (pid %d)", os.getpid())

@@ -53,6 +53,23 @@ def parse_endpoint_flag(text: str) -> dict[str, Any]:
 
 def overrides_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
     """(nested setting overrides, top-level key -> flag) from the parsed flags."""
+    front: list[tuple[str, tuple[str, ...], Any]] = [
+        ("--host", ("http", "host"), args.host), ("--port", ("http", "port"), args.port),
+        ("--grpc-host", ("grpc", "host"), args.grpc_host), ("--grpc-port", ("grpc", "port"), args.grpc_port),
+        ("--no-grpc", ("grpc", "enabled"), False if args.no_grpc else None)]
+    return overrides_with(args, front)
+
+
+def overrides_with(args: argparse.Namespace,
+                   front: list[tuple[str, tuple[str, ...], Any]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(nested setting overrides, top-level key -> flag) of ``front`` (a command's own flags:
+    ``(flag, settings path, value or None when not given)``) and the routing flags every front
+    shares (``--endpoint``, ``--model``, ``--policy``, ``--profile``, ``--predictor``,
+    ``--prefix-mode`` where the command has it, ``--log-level``).
+
+    Raises:
+        ConfigError: a ``--policy`` spec that does not parse (naming the flag).
+    """
     from routerd.policies.registry import PolicyError, parse_policy_spec
 
     o: dict[str, Any] = {}
@@ -65,16 +82,9 @@ def overrides_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[
         d[path[-1]] = value
         flags.setdefault(path[0], flag)
 
-    if args.host is not None:
-        put(("http", "host"), args.host, "--host")
-    if args.port is not None:
-        put(("http", "port"), args.port, "--port")
-    if args.grpc_host is not None:
-        put(("grpc", "host"), args.grpc_host, "--grpc-host")
-    if args.grpc_port is not None:
-        put(("grpc", "port"), args.grpc_port, "--grpc-port")
-    if args.no_grpc:
-        put(("grpc", "enabled"), False, "--no-grpc")
+    for flag, path, value in front:
+        if value is not None:
+            put(path, value, flag)
     if args.endpoint:
         put(("endpoints",), [parse_endpoint_flag(e) for e in args.endpoint], "--endpoint")
     if args.model:
@@ -89,7 +99,7 @@ def overrides_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[
         put(("profile",), args.profile, "--profile")
     if args.predictor is not None:
         put(("predictor",), args.predictor, "--predictor")
-    if args.prefix_mode is not None:
+    if getattr(args, "prefix_mode", None) is not None:
         put(("prefix", "mode"), args.prefix_mode, "--prefix-mode")
     if args.log_level is not None:
         put(("log_level",), args.log_level, "--log-level")

@@ -50,41 +50,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def overrides_from_args(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
     """(nested setting overrides, top-level key -> flag); ``serve``'s shared flags plus ``epp.*``."""
-    from routerd.daemon.cli import parse_endpoint_flag
-    from routerd.policies.registry import PolicyError, parse_policy_spec
+    from routerd.daemon.cli import overrides_with
 
-    o: dict = {}
-    flags: dict[str, str] = {}
-
-    def put(path: tuple[str, ...], value, flag: str) -> None:
-        d = o
-        for k in path[:-1]:
-            d = d.setdefault(k, {})
-        d[path[-1]] = value
-        flags.setdefault(path[0], flag)
-
-    for attr, field in (("host", "host"), ("port", "port"), ("health_port", "health_port"),
-                        ("metrics_port", "metrics_port"), ("mode", "mode")):
-        v = getattr(args, attr)
-        if v is not None:
-            put(("epp", field), v, "--" + attr.replace("_", "-"))
-    if args.endpoint:
-        put(("endpoints",), [parse_endpoint_flag(e) for e in args.endpoint], "--endpoint")
-    if args.model:
-        put(("models",), list(args.model), "--model")
-    if args.policy is not None:
-        try:
-            name, params = parse_policy_spec(args.policy)
-        except PolicyError as e:
-            raise ConfigError(f"flag --policy: {e}") from None
-        put(("policy",), {"name": name, "params": params}, "--policy")
-    if args.profile is not None:
-        put(("profile",), args.profile, "--profile")
-    if args.predictor is not None:
-        put(("predictor",), args.predictor, "--predictor")
-    if args.log_level is not None:
-        put(("log_level",), args.log_level, "--log-level")
-    return o, flags
+    return overrides_with(args, [("--" + attr.replace("_", "-"), ("epp", attr), getattr(args, attr))
+                                 for attr in ("host", "port", "health_port", "metrics_port", "mode")])
 
 
 def print_envoy_config(args: argparse.Namespace, settings) -> int:
@@ -157,10 +126,6 @@ def run(args: argparse.Namespace) -> int:
 async def serve_forever(settings, config_path, overrides, flags) -> int:
     """The picker's process: a daemon without its HTTP front (nor routerd's gRPC API), and the
     picker's listeners, until SIGTERM/SIGINT (drain, then exit 0); SIGHUP reloads."""
-    import asyncio
-    import gc
-    import signal
-
     from routerd.daemon.app import Daemon
     from routerd.epp.server import EppServer
 
@@ -169,34 +134,4 @@ async def serve_forever(settings, config_path, overrides, flags) -> int:
     overrides = {**overrides, "grpc": {**overrides.get("grpc", {}), "enabled": False}}
     daemon = Daemon(settings, config_path=config_path, reload_overrides=overrides, reload_override_flags=flags,
                     http_front=False)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    hup = asyncio.Event()
-    for sig, ev in ((signal.SIGTERM, stop), (signal.SIGINT, stop), (signal.SIGHUP, hup)):
-        loop.add_signal_handler(sig, ev.set)
-    epp = EppServer(daemon)
-    try:
-        await daemon.start()
-        await epp.start()
-        # As routerd's process does (Daemon.serve_forever): the objects made at start-up live as
-        # long as the process, out of the collector's way; the young generation collected less
-        # often (each stream makes a few hundred short-lived objects: protobuf, gRPC, asyncio).
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(20_000, 20, 20)
-        while not stop.is_set():
-            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(hup.wait())]
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            for w in waiters:
-                w.cancel()
-            if hup.is_set() and not stop.is_set():
-                hup.clear()
-                await daemon.reload()
-        await daemon.drain()
-        return 0
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
-        await epp.stop()
-        await daemon.stop()
-        logging.getLogger("routerd.epp").info("endpoint picker stopped")
+    return await daemon.serve_forever(fronts=[EppServer(daemon)])
