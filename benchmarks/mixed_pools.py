@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--residents", type=int, default=32, help="residents per instance for the decision cost")
     ap.add_argument("--picks", type=int, default=2000, help="timed picks per policy (0: skip)")
     ap.add_argument("--data-dir", default=None)
-    ap.add_argument("--out", default="mixed_pools.json")
+    ap.add_argument("--out", default="bench-out/mixed_pools.json",
+                    help="the figures as JSON (default under bench-out/, which git ignores)")
     a = ap.parse_args(argv)
 
     specs = [s for s in a.policies.split(";") if s]
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     pools = [parse_pool(p) for p in a.pools.split(";") if p.strip()]
     t_start = time.time()
     results: list[dict] = []
+    skipped = ran = 0
     if a.picks:
         cost = decision_cost(pools[0], a.residents, a.picks)
         print(f"decision cost, thread CPU per pick, {len(pools[0])} instances ({pool_label(pools[0])}) x "
@@ -132,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                                        limit=None if gen else a.requests, data_dir=a.data_dir)
             except WorkloadError as e:
                 print(f"\n### {wl}, {label}: skipped ({e})")
+                skipped += 1
                 continue
+            ran += 1
             cells: dict[float, dict[str, list]] = {L: {s: [] for s in specs} for L in loads}
             caps = []
             for seed in seeds:
@@ -167,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                                     "vs_best_blind_e2e_mean": vs_b.as_dict(),
                                     "vs_best_blind_e2e_p99": vs_b99.as_dict()})
             sys.stdout.flush()
+    if not ran:
+        print(f"\nmixed_pools: all {skipped} cases skipped: give the traces with --data-dir or "
+              "PHASEWISE_DATA_DIR (../shared/data by default); nothing written", file=sys.stderr)
+        return 1
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=1))
     print(f"\nwrote {a.out} ({time.time() - t_start:.0f} s)")
     return 0

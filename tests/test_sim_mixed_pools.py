@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from routerd.bench import load_to_rate, run_bench
 from routerd.cli import main
@@ -49,6 +50,25 @@ def test_parse_pool_keeps_order_and_counts():
 def test_profile_model_is_the_name_before_the_gpu():
     assert profile_model(A100) == profile_model(H100) == "llama3.1-8b"
     assert profile_model(get_profile("llama2-7b-v100")) == "llama2-7b"
+
+
+def test_a_profile_named_otherwise_joins_a_pool_by_its_model_field(tmp_path):
+    # What `phasewise profile --derive llama-2-7b a100-80gb-sxm` names its profile: the name's
+    # model part (llama-2-7b-a100-80gb) is not the shipped one's, so it is refused with the way out
+    # named; with `model: llama2-7b` it pools with llama2-7b-v100.
+    from routerd.profiles import PoolError, check_pool
+
+    v100 = get_profile("llama2-7b-v100")
+    data = get_profile("llama2-7b-a100").model_dump()
+    data["name"] = "llama-2-7b-a100-80gb-sxm"
+    path = tmp_path / "derived.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(PoolError, match="'llama-2-7b-a100-80gb-sxm' serves 'llama-2-7b-a100-80gb'.*same 'model:'"):
+        check_pool([v100, get_profile(str(path))])
+    data["model"] = "llama2-7b"
+    path.write_text(yaml.safe_dump(data))
+    pool = parse_pool(f"1xllama2-7b-v100,1x{path}")
+    assert [profile_model(p) for p in pool] == ["llama2-7b", "llama2-7b"]
 
 
 @pytest.mark.parametrize("text, words", [

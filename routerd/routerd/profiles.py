@@ -44,6 +44,9 @@ class HardwareProfile(BaseModel):
 
     name: str
     """Profile name, e.g. ``llama2-7b-a100``."""
+    model: str | None = None
+    """The model it serves (any stable name, e.g. ``llama2-7b``), which decides which profiles may
+    share a pool (:func:`check_pool`); None: taken from ``name`` as ``<model>-<gpu>``."""
     description: str = ""
     """What hardware and model the profile describes, and how it was calibrated."""
     overhead_s: float = Field(ge=0)
@@ -271,10 +274,13 @@ class PoolError(ProfileError):
 
 
 def profile_model(profile: HardwareProfile) -> str:
-    """The model a profile serves, from its name: everything before the last ``-`` (the
-    shipped naming ``<model>-<gpu>``: ``llama3.1-8b-h100`` serves ``llama3.1-8b``); a name
-    without ``-`` is its own model. Profiles carry no separate model field, so two profiles
-    of one model must be named with the same model part to be pooled."""
+    """The model a profile serves: its ``model`` field when set, else from its name, everything
+    before the last ``-`` (the shipped naming ``<model>-<gpu>``: ``llama3.1-8b-h100`` serves
+    ``llama3.1-8b``; a name without ``-`` is its own model). A profile named otherwise (e.g. one
+    ``phasewise profile --derive`` named ``llama-2-7b-a100-80gb-sxm``) joins a pool of shipped
+    ones by a ``model:`` line equal to theirs (``llama2-7b``)."""
+    if profile.model:
+        return profile.model
     head, sep, _ = profile.name.rpartition("-")
     return head if sep and head else profile.name
 
@@ -293,8 +299,9 @@ def check_pool(profiles: Sequence[HardwareProfile]) -> None:
         if profile_model(p) != profile_model(first):
             raise PoolError(
                 f"pool mixes profiles of different models: {first.name!r} serves {profile_model(first)!r}, "
-                f"{p.name!r} serves {profile_model(p)!r}; a pool serves one model (profiles are named "
-                "<model>-<gpu>)")
+                f"{p.name!r} serves {profile_model(p)!r}; a pool serves one model (a profile's model is its "
+                "'model:' field, else its name as <model>-<gpu>: if both serve one model, give their YAML the "
+                "same 'model:')")
         if p.block_size != first.block_size:
             raise PoolError(f"pool mixes KV block sizes: {first.name!r} has {first.block_size}, {p.name!r} "
                             f"has {p.block_size}; every instance of a pool must use one block size")
