@@ -274,3 +274,54 @@ def test_service_monitor_and_operator_budget_are_off_by_default_and_render_when_
     namespaced = render("serviceMonitor.enabled=true", "operator.watchNamespaces={a,b}")
     (sm,) = by_kind(namespaced, "ServiceMonitor")
     assert sm["spec"]["namespaceSelector"] == {"matchNames": ["a", "b"]}
+
+
+@pytest.mark.parametrize("sets,field", [
+    (("examplePool.gateway.inferencePool.enabled=true",), "examplePool.gateway"),  # missing property 'picker'
+    (("examplePool.gateway.inferencePool.enabled=true", "examplePool.gateway.picker.enabled=false"),
+     "examplePool.gateway.picker.enabled"),
+    (("examplePool.gateway.picker.enabled=true", "examplePool.gateway.picker.envoy.enabled=true",
+      "examplePool.gateway.picker.envoy.port=9002"), "examplePool.gateway.picker.envoy.port"),
+    (("examplePool.gateway.picker.enabled=true", "examplePool.gateway.picker.envoy.enabled=true",
+      "examplePool.gateway.picker.envoy.port=9901"), "examplePool.gateway.picker.envoy.port"),
+    (("examplePool.gateway.picker.enabled=true", "examplePool.gateway.picker.mode=efficient"),
+     "examplePool.gateway.picker"),  # missing property 'envoy'
+    (("examplePool.gateway.inferencePool.appProtocol=grpc",), "examplePool.gateway.inferencePool.appProtocol"),
+    (("examplePool.gateway.picker.replicas=-1",), "examplePool.gateway.picker.replicas"),
+])
+def test_bad_example_pool_gateway_fails_helm_template_naming_the_field(sets, field):
+    """What the CRD would refuse only when the post-install hook applies the pool, helm refuses up front."""
+    args = ["template", "x", str(CHART), "--set", "examplePool.enabled=true"]
+    for s in sets:
+        args += ["--set", s]
+    r = helm(*args, check=False)
+    assert r.returncode != 0, r.stdout
+    assert f"'/{field.replace('.', '/')}'" in r.stderr, r.stderr
+
+
+def test_example_pool_gateway_renders_as_its_spec_gateway():
+    docs = render("examplePool.enabled=true", "examplePool.gateway.inferencePool.enabled=true",
+                  "examplePool.gateway.picker.enabled=true", "examplePool.gateway.picker.mode=efficient",
+                  "examplePool.gateway.picker.envoy.enabled=true", "examplePool.gateway.picker.envoy.port=8088")
+    (pool,) = by_kind(docs, "LLMRouterPool")
+    assert pool["spec"]["gateway"] == {"inferencePool": {"enabled": True},
+                                       "picker": {"enabled": True, "mode": "efficient",
+                                                  "envoy": {"enabled": True, "port": 8088}}}
+    from phasewise_operator.spec import parse_pool_spec
+
+    assert parse_pool_spec(pool["spec"]).envoy
+
+
+def test_operator_budget_without_max_unavailable_fails_instead_of_rendering_an_empty_one():
+    r = helm("template", "x", str(CHART), "--set", "podDisruptionBudget.enabled=true",
+             "--set", "podDisruptionBudget.maxUnavailable=null", check=False)
+    assert r.returncode != 0, r.stdout
+    assert "maxUnavailable" in r.stderr, r.stderr
+    r = helm("template", "x", str(CHART), "--set", "podDisruptionBudget.enabled=true",
+             "--set-string", "podDisruptionBudget.maxUnavailable=", check=False)
+    assert r.returncode != 0 and "/podDisruptionBudget/maxUnavailable" in r.stderr, r.stderr
+    (pdb,) = by_kind(render("podDisruptionBudget.enabled=true", "podDisruptionBudget.maxUnavailable=25%"),
+                     "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == "25%"
+    (pdb,) = by_kind(render("podDisruptionBudget.enabled=true"), "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1

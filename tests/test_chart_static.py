@@ -276,3 +276,121 @@ def test_gpu_example_and_new_values_match_the_schema():
             node = node[key]
         node[path[-1]] = value
         assert any(e.startswith(where) for e in _errors(values)), (path, _errors(values))
+
+
+def _with(path: tuple[str, ...], value) -> dict:
+    values = copy.deepcopy(VALUES)
+    node = values
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+    return values
+
+
+GOOD_GATEWAYS = [
+    {},
+    {"inferencePool": {"enabled": True, "targetPortNumber": 8000, "appProtocol": "kubernetes.io/h2c",
+                       "failureMode": "FailOpen"},
+     "picker": {"enabled": True, "replicas": 2, "resources": {"limits": {"memory": "1Gi"}},
+                "podDisruptionBudget": {"maxUnavailable": "25%"}}},
+    {"picker": {"enabled": True, "mode": "efficient",
+                "envoy": {"enabled": True, "port": 8088, "image": "envoyproxy/envoy:v1.40.0"}}},
+    {"picker": {"enabled": False, "envoy": {"enabled": False, "port": 9000}}},
+]
+
+
+@pytest.mark.parametrize("gateway", GOOD_GATEWAYS)
+def test_example_pool_gateway_values_the_crd_takes_pass(gateway):
+    values = _with(("examplePool", "gateway"), gateway)
+    assert _errors(values) == []
+    spec = parse_pool_spec({"model": {"name": "m"}, "gateway": gateway})  # and the operator takes them too
+    assert spec.gateway is not None
+
+
+BAD_GATEWAYS = [
+    # what the CRD's CEL rules refuse, refused by helm before the post-install hook applies the pool
+    ({"inferencePool": {"enabled": True}}, "examplePool/gateway: 'picker' is a required property"),
+    ({"inferencePool": {"enabled": True}, "picker": {"enabled": False}}, "examplePool/gateway/picker/enabled"),
+    ({"picker": {"enabled": True, "envoy": {"enabled": True, "port": 9002}}}, "examplePool/gateway/picker/envoy/port"),
+    ({"picker": {"enabled": True, "envoy": {"enabled": True, "port": 9003}}}, "examplePool/gateway/picker/envoy/port"),
+    ({"picker": {"enabled": True, "envoy": {"enabled": True, "port": 9090}}}, "examplePool/gateway/picker/envoy/port"),
+    ({"picker": {"enabled": True, "envoy": {"enabled": True, "port": 9901}}}, "examplePool/gateway/picker/envoy/port"),
+    ({"picker": {"enabled": True, "mode": "efficient"}}, "examplePool/gateway/picker: 'envoy' is a required property"),
+    ({"picker": {"enabled": True, "mode": "efficient", "envoy": {"enabled": False}}},
+     "examplePool/gateway/picker/envoy/enabled"),
+    ({"picker": {"envoy": {"enabled": True}}}, "examplePool/gateway/picker: 'enabled' is a required property"),
+    ({"picker": {"enabled": True}, "inferencePool": {"targetPortNumber": 50051}},
+     "examplePool/gateway/inferencePool/targetPortNumber"),
+    # types, enums, ranges
+    ({"inferencePool": {"enabled": "yes"}}, "examplePool/gateway/inferencePool/enabled"),
+    ({"inferencePool": {"targetPortNumber": 0}}, "examplePool/gateway/inferencePool/targetPortNumber"),
+    ({"inferencePool": {"targetPortNumber": 65536}}, "examplePool/gateway/inferencePool/targetPortNumber"),
+    ({"inferencePool": {"appProtocol": "grpc"}}, "examplePool/gateway/inferencePool/appProtocol"),
+    ({"inferencePool": {"failureMode": "FailSometimes"}}, "examplePool/gateway/inferencePool/failureMode"),
+    ({"picker": {"replicas": -1}}, "examplePool/gateway/picker/replicas"),
+    ({"picker": {"replicas": 101}}, "examplePool/gateway/picker/replicas"),  # the CRD's maximum
+    ({"picker": {"mode": "half-duplex"}}, "examplePool/gateway/picker/mode"),
+    ({"picker": {"podDisruptionBudget": {}}}, "examplePool/gateway/picker/podDisruptionBudget"),
+    ({"picker": {"podDisruptionBudget": {"maxUnavailable": "half"}}},
+     "examplePool/gateway/picker/podDisruptionBudget/maxUnavailable"),
+    ({"picker": {"envoy": {"port": 70000}}}, "examplePool/gateway/picker/envoy/port"),
+    ({"picker": {"envoy": {"image": ""}}}, "examplePool/gateway/picker/envoy/image"),
+    ({"picker": {"envoy": {"prot": 8081}}}, "examplePool/gateway/picker/envoy: Additional properties"),
+    ({"picker": {"enabeld": True}}, "examplePool/gateway/picker: Additional properties"),
+]
+
+
+@pytest.mark.parametrize("gateway,where", BAD_GATEWAYS, ids=[f"{i}" for i in range(len(BAD_GATEWAYS))])
+def test_bad_example_pool_gateway_values_are_rejected_naming_the_field(gateway, where):
+    errs = _errors(_with(("examplePool", "gateway"), gateway))
+    assert any(e.startswith(where) for e in errs), errs
+    # the operator refuses the same spec, except what only the CRD's schema checks (its maximum and
+    # minLength; unknown fields, which the API server prunes and the chart refuses as typos)
+    from phasewise_operator.spec import SpecError
+
+    crd_only = ({"picker": {"replicas": 101}}, {"picker": {"envoy": {"image": ""}}},
+                {"picker": {"envoy": {"prot": 8081}}}, {"picker": {"enabeld": True}})
+    if gateway not in crd_only:
+        with pytest.raises(SpecError):
+            parse_pool_spec({"model": {"name": "m"}, "gateway": gateway})
+
+
+def test_example_pool_gateway_schema_mirrors_the_crd():
+    """examplePool.gateway is the pool's spec.gateway: the CRD's fields with the same types, enums and limits."""
+    from phasewise_operator.gen_crds import ENVOY_FORBIDDEN_PORTS, pool_crd
+
+    chart = SCHEMA["properties"]["examplePool"]["properties"]["gateway"]
+    crd = pool_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "gateway"]
+
+    def same(c: dict, k: dict, path: str) -> None:
+        assert set(c["properties"]) == set(k["properties"]), path
+        assert c["additionalProperties"] is False, path
+        for name, cn in c["properties"].items():
+            kn = k["properties"][name]
+            if "anyOf" in kn:  # int-or-string budgets
+                assert "anyOf" in cn, f"{path}.{name}"
+                continue
+            assert cn["type"] == kn["type"], f"{path}.{name}"
+            if kn["type"] == "object" and "properties" in kn and name != "resources":
+                same(cn, kn, f"{path}.{name}")
+                continue
+            for key in ("enum", "minimum", "maximum", "minLength", "maxLength"):
+                assert cn.get(key) == kn.get(key), f"{path}.{name}.{key}"
+
+    same(chart, crd, "gateway")
+    port = chart["properties"]["picker"]["properties"]["envoy"]["properties"]["port"]
+    assert port["not"] == {"enum": list(ENVOY_FORBIDDEN_PORTS)} == {"enum": [9002, 9003, 9090, 9901]}
+
+
+@pytest.mark.parametrize("pdb,where", [
+    ({"enabled": True, "maxUnavailable": None}, "podDisruptionBudget/maxUnavailable"),
+    ({"enabled": True, "maxUnavailable": ""}, "podDisruptionBudget/maxUnavailable"),
+    ({"enabled": True}, "podDisruptionBudget: 'maxUnavailable' is a required property"),  # helm's --set ...=null
+])
+def test_enabled_operator_budget_needs_a_max_unavailable(pdb, where):
+    errs = _errors(_with(("podDisruptionBudget",), pdb))
+    assert any(e.startswith(where) for e in errs), errs
+    assert _errors(_with(("podDisruptionBudget",), {"enabled": False})) == []
+    assert _errors(_with(("podDisruptionBudget",), {"enabled": True, "maxUnavailable": 0})) == []
+    assert _errors(_with(("podDisruptionBudget",), {"enabled": True, "maxUnavailable": "50%"})) == []

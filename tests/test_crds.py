@@ -493,3 +493,18 @@ def test_prefix_settings_have_no_defaults_and_a_cel_port_rule():
     (rule,) = [r for r in spec["x-kubernetes-validations"] if "kvEvents" in r["rule"]]
     assert rule["fieldPath"] == ".routing.prefix.kvEvents.port"
     assert f": {gen_crds.DEFAULT_KV_EVENTS_PORT})" in rule["rule"]  # the unset port is vLLM's
+
+
+def test_envoy_port_cel_rule_refuses_envoys_admin_port():
+    """Envoy's admin listener is 127.0.0.1:9901 in the picker's pod (routerd's build_envoy_config default):
+    an envoy.port of 9901 could not bind, so the CEL rule refuses it beside the picker's own ports (run by
+    tests/k8s/test_operator_gateway.py)."""
+    envoy = _root(POOL)["properties"]["spec"]["properties"]["gateway"]["properties"]["picker"]["properties"]["envoy"]
+    (rule,) = envoy["x-kubernetes-validations"]
+    assert rule["rule"] == "!has(self.port) || !(self.port in [9002, 9003, 9090, 9901])"
+    assert rule["fieldPath"] == ".port"
+    assert "admin port 9901" in rule["message"]
+    from routerd.epp import envoy_config
+    import inspect
+    assert inspect.signature(envoy_config.build_envoy_config).parameters["admin_port"].default == \
+        gen_crds.ENVOY_ADMIN_PORT

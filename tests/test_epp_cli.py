@@ -138,3 +138,49 @@ class socket_taken:
 
     def __exit__(self, *exc) -> None:
         self.s.close()
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--envoy-listen-port", "70000"], "--envoy-listen-port"),
+    (["--envoy-listen-port", "-5"], "--envoy-listen-port"),
+    (["--admin-port", "70000"], "--admin-port"),
+    (["--failure-mode", "FailOpen", "--fail-open-endpoint", "localhost:8100"], "--fail-open-endpoint"),
+    (["--fail-open-endpoint", "127.0.0.1:8100"], "--fail-open-endpoint"),
+    (["--envoy-listen-port", "9901"], "--envoy-listen-port"),
+    (["--envoy-listen-port", "9002"], "--envoy-listen-port"),
+    (["--envoy-listen-port", "9003"], "--envoy-listen-port"),
+    (["--envoy-listen-port", "9090"], "--envoy-listen-port"),
+    (["--envoy-listen-address", "localhost"], "--envoy-listen-address"),
+])
+def test_print_envoy_config_refuses_bad_flags_naming_them(argv, flag, capsys):
+    assert main(["epp", "--print-envoy-config", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"listen_port": 70000}, "listen_port"),
+    ({"admin_port": 0}, "admin_port"),
+    ({"listen_port": 9901}, "admin_port"),
+    ({"fail_open_endpoints": ["10.0.0.1:80"]}, "fail_open_endpoints"),
+    ({"failure_mode": "FailOpen", "fail_open_endpoints": ["localhost:80"]}, "fail_open_endpoints"),
+    ({"listen_port": 9002, "picker_ports": {"epp.port": 9002}}, "epp.port"),
+])
+def test_builder_refuses_bad_ports_and_endpoints(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_envoy_config(**kwargs)
+
+
+def test_envoy_listen_address_follows_a_concrete_epp_host(capsys):
+    assert main(["epp", "--host", "127.0.0.1", "--print-envoy-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["address"] == "127.0.0.1"
+    assert "layered_runtime" not in cfg
+    mon = cfg["overload_manager"]["resource_monitors"][0]
+    assert mon["typed_config"]["max_active_downstream_connections"] == 100_000
+    assert main(["epp", "--print-envoy-config", "--envoy-listen-address", "127.0.0.2"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["address"] == "127.0.0.2"
+    assert main(["epp", "--host", "0.0.0.0", "--print-envoy-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["address"] == "0.0.0.0"

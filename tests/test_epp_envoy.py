@@ -223,6 +223,10 @@ def test_picker_down(emulators, failure_mode):
                                 json.dumps({"model": "m", "prompt": "x", "max_tokens": 2}).encode(), timeout_s=20)
         if failure_mode == "FailClose" or st != 200:
             assert st == 503, body
+            # Envoy's own reply, reshaped by the shipped local_reply_config: OpenAI-style JSON.
+            err = json.loads(body)["error"]
+            assert err["code"] == "picker_unavailable" and err["type"] == "service_unavailable", body
+            assert err["param"] is None and err["message"]
         else:  # failed open: routed to one of the fail-open endpoints, which answered in full
             assert json.loads(body)["usage"]["completion_tokens"] == 2, body
     finally:
@@ -234,3 +238,33 @@ def test_shipped_standalone_files_are_the_builders_defaults(name, mode):
     path = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / name
     assert path.read_text() == render_yaml(build_envoy_config(mode=mode))
 
+
+
+def test_envoy_connect_failure_is_an_openai_json_error(emulators):
+    """An endpoint on a dead port: Envoy's 503 "upstream connect error" comes back as JSON."""
+    logdir, env = emulators["logdir"], emulators["env"]
+    picker_port, envoy_port, dead_port = free_ports(3)
+    picker = StackProcess("picker-dead", ["epp", "--host", "127.0.0.1", "--port", str(picker_port), "--health-port",
+                                          "0", "--metrics-port", "0", "--model", "m", "--predictor", "none",
+                                          "--endpoint", f"dead=http://127.0.0.1:{dead_port}"], logdir, env)
+    envoy = EnvoyProcess("envoy-dead", build_envoy_config(listen_port=envoy_port, listen_host="127.0.0.1",
+                                                          picker_address=f"127.0.0.1:{picker_port}", admin_port=None),
+                         envoy_port, logdir, env)
+    try:
+        picker.wait_for(_PICKER_LINE, 60)
+        envoy.wait_ready()
+        st, headers, body = http_post(f"http://127.0.0.1:{envoy_port}/v1/completions",
+                                      json.dumps({"model": "m", "prompt": "x", "max_tokens": 2}).encode(),
+                                      timeout_s=20)
+        assert st == 503, body
+        err = json.loads(body)["error"]
+        assert err["code"] == "upstream_error" and err["type"] == "upstream_error", body
+        assert "upstream connect error" in err["message"] and err["param"] is None
+        # A picker refusal keeps its own body (not rewritten by the local_reply_config).
+        st, _, body = http_post(f"http://127.0.0.1:{envoy_port}/v1/completions",
+                                json.dumps({"model": "nope", "prompt": "x"}).encode(), timeout_s=20)
+        assert st == 404 and json.loads(body)["error"]["code"] == "model_not_found", body
+    finally:
+        envoy.stop()
+        picker.signal(15)
+        picker.wait(15)

@@ -409,3 +409,107 @@ def test_efficient_mode_completes_on_the_access_log_entry():
             await stream.done_writing()
             await stream
     asyncio.run(main())
+
+
+def test_efficient_mode_counts_an_upstream_that_died_mid_stream_as_502_stream_error():
+    async def main():
+        async with Picker(epp={"mode": "efficient"}) as p:
+            als = als_pb2_grpc.AccessLogServiceStub(p.channel)
+            body = completion()
+            rids = []
+            for _ in range(2):
+                call = p.stub.Process()
+                await send_request(call, body, subset=[ADDR["e1"]])
+                first, _ = await read_decision(call, body)
+                rids.append(set_headers(first)["x-phasewise-request-id"])
+                await call.done_writing()
+                assert await call.read() == grpc.aio.EOF
+            calls = []
+            orig_failure, orig_success = p.d.router.note_failure, p.d.router.note_success
+            p.d.router.note_failure = lambda ep, kind: (calls.append(("failure", ep.name, kind)),
+                                                         orig_failure(ep, kind))[1]
+            p.d.router.note_success = lambda ep: (calls.append(("success", ep.name)), orig_success(ep))[1]
+            # Envoy's entry for a backend that closed its connection mid-body: 200, flag UC.
+            died = _entry(rids[0], 200, events=2, tail=b"data: {}\n\n", served=ADDR["e1"])
+            died.common_properties.response_flags.upstream_connection_termination = True
+            died.response.response_code_details = "upstream_reset_after_response_started{connection_termination}"
+            # One whose details say so without a flag: a remote reset.
+            reset = _entry(rids[1], 200, events=1, tail=b"data: {}\n\n", served=ADDR["e1"])
+            reset.response.response_code_details = "upstream_reset_after_response_started{remote_reset}"
+            stream = als.StreamAccessLogs()
+            await stream.write(als_pb2.StreamAccessLogsMessage(
+                http_logs=als_pb2.StreamAccessLogsMessage.HTTPAccessLogEntries(log_entry=[died, reset])))
+            await asyncio.wait_for(_until(lambda: p.d.router.in_flight == 0), 5)
+            assert sample(p.d, "phasewise_requests_total", code="502") == 2
+            assert sample(p.d, "phasewise_requests_total", code="200") == 0
+            assert sample(p.d, "phasewise_upstream_errors_total", endpoint="e1", kind="stream") == 2
+            assert calls == [("failure", "e1", "stream")] * 2
+            assert sample(p.d, "phasewise_generation_tokens_total") == 0
+            await stream.done_writing()
+            await stream
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("hint", [1.5, True, False, 0, {"a": "127.0.0.3:11"}, "null"])
+def test_a_malformed_subset_hint_is_refused_503_no_endpoint(hint):
+    async def main():
+        async with Picker() as p:
+            body = completion()
+            call = p.stub.Process()
+            msg = req_headers(body=body, subset=hint)
+            if hint == "null":
+                msg.metadata_context.filter_metadata["envoy.lb.subset_hint"].fields[
+                    "x-gateway-destination-endpoint-subset"].null_value = struct_pb2.NULL_VALUE
+            await call.write(msg)
+            await call.write(body_msg(body))
+            r = await call.read()
+            ir = r.immediate_response
+            assert ir.status.code == 503, hint
+            err = json.loads(ir.body)["error"]
+            assert err["code"] == "no_endpoint" and "subset" in err["message"]
+            assert sample(p.d, "phasewise_requests_total", code="500") == 0
+            assert sample(p.d, "phasewise_rejections_total", reason="no_endpoint") == 1
+            assert p.d.router.in_flight == 0
+    asyncio.run(main())
+
+
+def test_413_is_counted_as_a_too_large_rejection():
+    async def main():
+        async with Picker(epp={"max_body_bytes": 2048}) as p:
+            call = p.stub.Process()
+            await send_request(call, completion(prompt="y" * 3000), chunks=2)
+            r = await call.read()
+            assert r.immediate_response.status.code == 413
+            assert sample(p.d, "phasewise_rejections_total", reason="too_large") == 1
+            assert sample(p.d, "phasewise_requests_total", code="413") == 1
+    asyncio.run(main())
+
+
+def test_reload_of_restart_only_epp_fields_warns_once_and_keeps_the_running_values(caplog):
+    import logging
+
+    async def main():
+        async with Picker() as p:
+            new = p.d.settings.model_copy(update={"epp": p.d.settings.epp.model_copy(
+                update={"mode": "efficient", "port": 19999, "metrics_port": 19998, "max_fallbacks": 1})})
+            with caplog.at_level(logging.WARNING, logger="routerd"):
+                assert await p.d.reload(new)
+            warned = [r.getMessage() for r in caplog.records if "takes effect at restart" in r.getMessage()]
+            assert len(warned) == 1 and "epp.mode" in warned[0] and "epp.port" in warned[0]
+            assert "epp.metrics_port" in warned[0] and "max_fallbacks" not in warned[0]
+            # The running servicer's mode and the settings agree; a hot field was applied.
+            assert p.d.settings.epp.mode == "full-duplex" and p.epp.ext_proc.efficient is False
+            assert p.d.settings.epp.port == 0 and p.d.settings.epp.max_fallbacks == 1
+    asyncio.run(main())
+
+
+def test_start_up_line_names_the_picker_front(caplog):
+    import logging
+
+    async def main():
+        with caplog.at_level(logging.INFO, logger="routerd"):
+            async with Picker():
+                pass
+    asyncio.run(main())
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("routerd listening on"))
+    assert "ext_proc" in line and "full-duplex" in line, line

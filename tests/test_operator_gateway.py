@@ -239,6 +239,9 @@ def test_standalone_without_routerds_envoy_builder_names_the_field(monkeypatch):
     ({"picker": {"enabled": True, "mode": "efficient"}}, "spec.gateway.picker.mode", "own Envoy"),
     ({"picker": {"enabled": True, "envoy": {"enabled": True, "port": 9003}}}, "spec.gateway.picker.envoy.port",
      "9002, 9003, 9090"),
+    # Envoy's own admin listener (127.0.0.1:9901 in the same pod): the client listener could not bind.
+    ({"picker": {"enabled": True, "envoy": {"enabled": True, "port": 9901}}}, "spec.gateway.picker.envoy.port",
+     "admin port 9901"),
     ({"picker": {"enabled": True}, "inferencePool": {"targetPortNumber": 50051}},
      "spec.gateway.inferencePool.targetPortNumber", "sidecar"),
     ({"inferencePool": {"failureMode": "FailSometimes"}}, "spec.gateway.inferencePool.failureMode", "FailOpen"),
@@ -253,6 +256,21 @@ def test_bad_gateway_specs_name_the_field(gateway, field, words):
 
 
 # ---------------------------------------------------------------- budgets and placement
+
+@pytest.mark.parametrize("section,field", [
+    ({"engine": {"podDisruptionBudget": {"minAvailable": "150%"}}}, "spec.engine.podDisruptionBudget"),
+    ({"routerd": {"podDisruptionBudget": {"minAvailable": 1}}}, "spec.routerd.podDisruptionBudget"),
+    ({"routerd": {"podDisruptionBudget": {"minAvailable": 1, "maxUnavailable": 1}}}, "spec.routerd.podDisruptionBudget"),
+    ({"gateway": {"picker": {"enabled": True, "podDisruptionBudget": {"minAvailable": "50%"}}}},
+     "spec.gateway.picker.podDisruptionBudget"),
+])
+def test_min_available_budgets_say_only_max_unavailable_is_supported(section, field):
+    with pytest.raises(SpecError) as e:
+        parse_pool_spec({**BASE, **section})
+    assert e.value.field == field
+    assert "only maxUnavailable is supported" in str(e.value) and "minAvailable" in str(e.value)
+    assert "Field required" not in str(e.value)
+
 
 def test_disruption_budgets_per_engine_deployment_routerd_and_picker():
     spec = {**GROUPS, "engine": {"podDisruptionBudget": {"maxUnavailable": "25%"}},
@@ -426,6 +444,36 @@ def test_gateway_accepted_reflects_the_parents():
                                  now="2026-12-02T11:00:00Z", generation=4,
                                  previous=[{**ok, "lastTransitionTime": "2026-12-01T00:00:00Z"}])
     assert _cond(later, "GatewayAccepted")["lastTransitionTime"] == "2026-12-01T00:00:00Z"
+
+
+_OK = _parent("ok")
+_NO_PARENTS = ("False", "NoParents")
+_ACCEPTED = ("True", "Accepted")
+
+
+@pytest.mark.parametrize("status,want,words", [
+    # a gateway that writes a broken status: bad entries are skipped, never an exception
+    (None, _NO_PARENTS, "no gateway lists"),
+    ("broken", _NO_PARENTS, "no gateway lists"),
+    ({"parents": None}, _NO_PARENTS, "no gateway lists"),
+    ({"parents": [None]}, _NO_PARENTS, "no gateway lists"),
+    ({"parents": "Gateway gw/x"}, _NO_PARENTS, "no gateway lists"),
+    ({"parents": {"parentRef": {"name": "x"}}}, _NO_PARENTS, "no gateway lists"),
+    ({"parents": [None, "x", 3, []]}, _NO_PARENTS, "no gateway lists"),
+    ({"parents": [None, _OK]}, _ACCEPTED, "by Gateway gw/ok"),
+    ({"parents": [{**_OK, "conditions": [None, *_OK["conditions"]]}]}, _ACCEPTED, "by Gateway gw/ok"),
+    ({"parents": [{**_OK, "conditions": [None]}]}, ("False", "PendingAccepted"), "Gateway gw/ok: no Accepted"),
+    ({"parents": [{**_OK, "conditions": "Accepted"}]}, ("False", "PendingAccepted"), "no Accepted condition"),
+    ({"parents": [{**_OK, "conditions": None}]}, ("False", "PendingAccepted"), "no Accepted condition"),
+    ({"parents": [{**_OK, "parentRef": None}]}, _ACCEPTED, "by Gateway ?"),
+    ({"parents": [{**_OK, "parentRef": "gw"}]}, _ACCEPTED, "by Gateway ?"),
+    ({"parents": [{"conditions": [None, {"type": "Accepted", "status": "True"}, 7]}]},
+     ("False", "PendingResolvedRefs"), "Gateway ?: no ResolvedRefs condition"),
+])
+def test_gateway_accepted_tolerates_a_malformed_inference_pool_status(status, want, words):
+    acc = _gw(inference_pool={"metadata": {"name": "chat"}, "status": status})["GatewayAccepted"]
+    assert (acc["status"], acc["reason"]) == want
+    assert words in acc["message"], acc["message"]
 
 
 def test_standalone_configmap_holds_routerds_own_envoy_bootstrap():

@@ -81,6 +81,13 @@ EPP_METRICS_PORT = 9090
 EPP_PORTS = (EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT)
 DEFAULT_ENVOY_PORT = 8081
 """Port of the standalone Envoy's client listener (container and picker Service port ``http``)."""
+ENVOY_ADMIN_PORT = 9901
+"""Envoy's admin listener (127.0.0.1, routerd's ``build_envoy_config`` default) in the picker's pod."""
+ENVOY_FORBIDDEN_PORTS = (*EPP_PORTS, ENVOY_ADMIN_PORT)
+"""Ports ``spec.gateway.picker.envoy.port`` may not take: the picker's and Envoy's own admin port,
+all bound in the same pod (a clash crash-loops the picker pod)."""
+ENVOY_PORT_RULE_MESSAGE = (f"envoy.port must differ from the picker's ports {', '.join(map(str, EPP_PORTS))} "
+                           f"and Envoy's admin port {ENVOY_ADMIN_PORT}")
 
 KV_EVENTS_PORT_NAME = "kv-events"
 """Name of the engines' container and Service port of the KV events (routerd's
@@ -338,7 +345,8 @@ def prefix_schema() -> dict[str, Any]:
 
 def _pdb(what: str) -> dict[str, Any]:
     return _o(f"A PodDisruptionBudget for the {what}: voluntary disruptions (node drains, cluster upgrades) "
-              "evict at most maxUnavailable of them at a time. Unset: no budget.", {
+              "evict at most maxUnavailable of them at a time (only maxUnavailable: minAvailable is not supported). "
+              "Unset: no budget.", {
         "maxUnavailable": {**_QUANTITY, "pattern": r"^([0-9]+|[0-9]+%)$",
                            "description": "Pods that may be evicted at once: a number or a percentage "
                            "(e.g. 1 or 25%)."},
@@ -369,11 +377,11 @@ def gateway_schema() -> dict[str, Any]:
         "enabled": _b("Run the Envoy sidecar.", default=False),
         "image": _image("Envoy image (default: the operator's envoyImage setting, envoyproxy/envoy:v1.40.0)."),
         "port": _i("Envoy's client port: container port and picker Service port named http. Must differ from the "
-                   f"picker's {', '.join(map(str, EPP_PORTS))}.", minimum=1, maximum=65535, default=DEFAULT_ENVOY_PORT),
+                   f"picker's {', '.join(map(str, EPP_PORTS))} and Envoy's admin port {ENVOY_ADMIN_PORT}.",
+                   minimum=1, maximum=65535, default=DEFAULT_ENVOY_PORT),
         "resources": _resources("Resources of the Envoy container."),
     }, default={}, **{"x-kubernetes-validations": [
-        _rule(f"!has(self.port) || !(self.port in {list(EPP_PORTS)})",
-              f"envoy.port must differ from the picker's ports {', '.join(map(str, EPP_PORTS))}",
+        _rule(f"!has(self.port) || !(self.port in {list(ENVOY_FORBIDDEN_PORTS)})", ENVOY_PORT_RULE_MESSAGE,
               field_path=".port", reason="FieldValueInvalid"),
     ]})
     picker = _o("phasewise epp, the Endpoint Picker (Envoy ext_proc) with routerd's router core, as its own "

@@ -21,7 +21,8 @@ from pydantic.alias_generators import to_camel
 
 from phasewise_operator.gen_crds import (DEFAULT_ENVOY_PORT, DEFAULT_FAILURE_MODE, DEFAULT_KV_EVENTS_PORT,
                                          DEFAULT_KV_EVENTS_TOPIC, DEFAULT_PICKER_MODE, DEFAULT_POLICY,
-                                         DEFAULT_PREDICTOR, DEFAULT_PROFILE, EPP_PORTS, FAILURE_MODES,
+                                         DEFAULT_PREDICTOR, DEFAULT_PROFILE, ENVOY_FORBIDDEN_PORTS,
+                                         ENVOY_PORT_RULE_MESSAGE, FAILURE_MODES,
                                          GATEWAY_APP_PROTOCOLS, GROUP_NAME_MAX, GROUP_NAME_PATTERN,
                                          GROUP_NAME_RESERVED, PICKER_MODES, PREFIX_MODES, RESERVED_GROUP_WORDS)
 
@@ -111,6 +112,16 @@ class DisruptionBudget(_Spec):
 
     max_unavailable: Quantity
     """Pods evicted at once by voluntary disruptions: a count or a percentage such as ``25%``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_max_unavailable(cls, data: Any) -> Any:
+        # policy/v1 also has minAvailable; the operator's budgets take maxUnavailable only (it stays right
+        # when replicas change). Without this, minAvailable alone read as "maxUnavailable: Field required".
+        if isinstance(data, dict) and ("minAvailable" in data or "min_available" in data):
+            raise ValueError("only maxUnavailable is supported (a count >= 0 or a percentage such as 25%), "
+                             "not minAvailable: give the pods that may be evicted at once as maxUnavailable")
+        return data
 
     @field_validator("max_unavailable")
     @classmethod
@@ -631,9 +642,8 @@ def _check_gateway(ps: PoolSpec) -> None:
     if picker.mode == "efficient" and not picker.envoy.enabled:
         raise SpecError("spec.gateway.picker.mode", "picker.mode efficient needs Phasewise's own Envoy "
                         "(picker.envoy.enabled); gateways run full-duplex")
-    if picker.envoy.port in EPP_PORTS:
-        raise SpecError("spec.gateway.picker.envoy.port",
-                        f"envoy.port must differ from the picker's ports {', '.join(map(str, EPP_PORTS))}")
+    if picker.envoy.port in ENVOY_FORBIDDEN_PORTS:
+        raise SpecError("spec.gateway.picker.envoy.port", ENVOY_PORT_RULE_MESSAGE)
     if gw.inference_pool.target_port_number is not None and gw.inference_pool.target_port_number == ps.sidecar.port:
         raise SpecError("spec.gateway.inferencePool.targetPortNumber", "gateway.inferencePool.targetPortNumber is "
                         "the state sidecar's gRPC port (sidecar.port), not an OpenAI endpoint")

@@ -264,15 +264,26 @@ GATEWAY_CONDITIONS = ("InferencePoolReady", "GatewayAccepted")
 INFERENCE_POOL_CRD = "inferencepools.inference.networking.k8s.io"
 
 
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """``value`` if it is an object, else ``{}``: gateways write the status this reads, and a broken one
+    (``null`` entries, a string where a list belongs) must not break the pool's reconcile."""
+    return value if isinstance(value, Mapping) else {}
+
+
+def _objects(value: Any) -> list[Mapping[str, Any]]:
+    """The objects of a list, skipping what is not one; ``[]`` for anything that is not a list."""
+    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
+
+
 def _parent_name(parent: Mapping[str, Any]) -> str:
-    ref = parent.get("parentRef") or {}
+    ref = _mapping(parent.get("parentRef"))
     kind = ref.get("kind") or "Gateway"
     ns = ref.get("namespace")
-    return f"{kind} {ns + '/' if ns else ''}{ref.get('name', '?')}"
+    return f"{kind} {f'{ns}/' if ns else ''}{ref.get('name') or '?'}"
 
 
 def _parent_condition(parent: Mapping[str, Any], ctype: str) -> Mapping[str, Any] | None:
-    return next((c for c in parent.get("conditions") or [] if c.get("type") == ctype), None)
+    return next((c for c in _objects(parent.get("conditions")) if c.get("type") == ctype), None)
 
 
 def gateway_conditions(*, crd_served: bool, inference_pool: Mapping[str, Any] | None, name: str, selector: str,
@@ -310,7 +321,8 @@ def gateway_conditions(*, crd_served: bool, inference_pool: Mapping[str, Any] | 
         else:
             ready = (True, "Ready", f"InferencePool {name} selects {ready_endpoints}/{endpoints} ready endpoints "
                      f"on port {target_port}")
-        parents = ((inference_pool.get("status") or {}).get("parents")) or []
+        # Malformed parents (null entries, a non-list) are skipped: only gateways write them.
+        parents = _objects(_mapping(_mapping(inference_pool).get("status")).get("parents"))
         accepted = (True, "Accepted", "")
         if not parents:
             accepted = (False, "NoParents", f"no gateway lists InferencePool {name} as accepted yet (an HTTPRoute "

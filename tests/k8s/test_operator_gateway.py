@@ -141,6 +141,7 @@ def test_gateway_pool_gets_its_inference_pool_picker_and_parents_status(k8s, kub
 BAD_GATEWAYS = [
     ({"inferencePool": {"enabled": True}}, "spec.gateway.picker.enabled"),
     ({"picker": {"enabled": True, "envoy": {"enabled": True, "port": 9002}}}, "spec.gateway.picker.envoy.port"),
+    ({"picker": {"enabled": True, "envoy": {"enabled": True, "port": 9901}}}, "spec.gateway.picker.envoy.port"),
     ({"picker": {"enabled": True, "mode": "efficient"}}, "spec.gateway.picker.mode"),
     ({"picker": {"envoy": {"enabled": True}}}, "spec.gateway.picker.envoy.enabled"),
     ({"picker": {"enabled": True}, "inferencePool": {"targetPortNumber": 50051}},
@@ -149,7 +150,7 @@ BAD_GATEWAYS = [
 ]
 
 
-@pytest.mark.parametrize("gateway,field", BAD_GATEWAYS, ids=[f for _, f in BAD_GATEWAYS])
+@pytest.mark.parametrize("gateway,field", BAD_GATEWAYS, ids=[f"{i}-{f}" for i, (_, f) in enumerate(BAD_GATEWAYS)])
 def test_api_server_refuses_bad_gateway_specs_naming_the_field(k8s, crds, namespace, gateway, field):  # noqa: F811
     r = apply(k8s, namespace, gateway_pool("bad", gateway), check=False)
     assert r.returncode != 0, r.stdout

@@ -247,7 +247,9 @@ class Daemon:
                  "set" if s.router.tie_break_seed is not None else "unset: drawn for this process")
         self._log_prefix()
         log.info("routerd listening on %s%s; policy %s; predictor %s; %d endpoints",
-                 f"http://{s.http.host}:{self.http_port}" if self.http_front else "no HTTP front",
+                 f"http://{s.http.host}:{self.http_port}" if self.http_front
+                 else f"no HTTP front (endpoint picker: Envoy ext_proc on {s.epp.host}:{s.epp.port}, "
+                      f"{s.epp.mode} mode)",
                  f", gRPC {s.grpc.host}:{self.grpc_port}" if self._grpc is not None else "",
                  s.policy.name if self.router.policy_name == s.policy.name
                  else f"{self.router.policy_name} (configured {s.policy.name}: its checkpoint is unusable)",
@@ -766,6 +768,13 @@ class Daemon:
         for key in ("http", "grpc", "event_loop", "max_body_bytes", "kubernetes"):
             if getattr(old, key) != getattr(settings, key):
                 log.warning("reload: %s changed; it takes effect after a restart", key)
+        # The picker's listeners and mode (phasewise epp) are fixed at start: the running values stay.
+        epp_fixed = ("host", "port", "health_port", "metrics_port", "mode")
+        changed = [f for f in epp_fixed if getattr(old.epp, f) != getattr(settings.epp, f)]
+        if changed:
+            log.warning("reload: %s changed; takes effect at restart", ", ".join(f"epp.{f}" for f in changed))
+            settings = settings.model_copy(update={"epp": settings.epp.model_copy(
+                update={f: getattr(old.epp, f) for f in changed})})
         self.settings = settings
         self.profile = built.profile
         self.router.profile = built.profile

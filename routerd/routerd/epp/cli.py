@@ -39,6 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("--print-envoy-config", "print the standalone Envoy bootstrap (YAML) and exit")
     g.add_argument("--print-envoy-config", action="store_true", help="print the Envoy bootstrap and exit")
     g.add_argument("--envoy-listen-port", type=int, default=8081, help="Envoy's client port (8081)")
+    g.add_argument("--envoy-listen-address", default=None, metavar="IP",
+                   help="Envoy's client address (default: epp.host if it is a concrete address, else 0.0.0.0)")
     g.add_argument("--picker-address", default=None,
                    help="host:port where Envoy reaches the picker (default 127.0.0.1:<epp.port>)")
     g.add_argument("--failure-mode", choices=["FailClose", "FailOpen"], default="FailClose",
@@ -60,14 +62,35 @@ def print_envoy_config(args: argparse.Namespace, settings) -> int:
     """Print the standalone bootstrap for ``settings.epp`` and the flags (YAML on stdout)."""
     from routerd.epp.envoy_config import build_envoy_config
 
+    import ipaddress
+
+    epp = settings.epp
+    host = args.envoy_listen_address
+    if host is None:
+        host = "0.0.0.0"
+        try:
+            if not ipaddress.ip_address(epp.host.strip("[]")).is_unspecified:
+                host = epp.host.strip("[]")
+        except ValueError:
+            pass  # a host name: Envoy needs an address
+    # Each builder argument's flag, for the one-line error.
+    flag_of = {"listen_port": "--envoy-listen-port", "listen_host": "--envoy-listen-address",
+               "admin_port": "--admin-port", "fail_open_endpoints": "--fail-open-endpoint",
+               "picker_address": "--picker-address", "failure_mode": "--failure-mode", "mode": "--mode"}
     try:
-        cfg = build_envoy_config(listen_port=args.envoy_listen_port,
-                                 picker_address=args.picker_address or f"127.0.0.1:{settings.epp.port}",
-                                 mode=settings.epp.mode, failure_mode=args.failure_mode,
+        cfg = build_envoy_config(listen_port=args.envoy_listen_port, listen_host=host,
+                                 picker_address=args.picker_address or f"127.0.0.1:{epp.port}",
+                                 mode=epp.mode, failure_mode=args.failure_mode,
                                  fail_open_endpoints=args.fail_open_endpoint,
-                                 admin_port=args.admin_port or None)
+                                 admin_port=args.admin_port or None,
+                                 picker_ports={"epp.port": epp.port, "epp.health_port": epp.health_port,
+                                               "epp.metrics_port": epp.metrics_port})
     except ValueError as e:
-        raise ConfigError(f"--print-envoy-config: {e}") from None
+        msg = str(e)
+        arg = next((a for a in sorted(flag_of, key=len, reverse=True) if msg.startswith(a)), None)
+        if arg is None:
+            arg = next((a for a in flag_of if a in msg), None)
+        raise ConfigError(f"{flag_of.get(arg, '--print-envoy-config')}: {msg}") from None
     sys.stdout.write(render_yaml(cfg))
     return 0
 

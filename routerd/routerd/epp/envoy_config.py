@@ -36,6 +36,7 @@ What it holds, and why:
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any, Literal, Sequence
 
 from routerd.epp.names import DEST_HEADER, LUA_NAMESPACE, REQUEST_ID_HEADER, SUBSET_NAMESPACE
@@ -121,11 +122,16 @@ def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _split(hostport: str) -> tuple[str, int]:
+def _split(hostport: str, name: str = "address") -> tuple[str, int]:
     host, sep, port = hostport.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"expected HOST:PORT, got {hostport!r}")
+        raise ValueError(f"{name}: expected HOST:PORT, got {hostport!r}")
     return host.strip("[]"), int(port)
+
+
+def _check_port(name: str, port: int) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
+        raise ValueError(f"{name} must be a port number 1-65535, got {port!r}")
 
 
 def _breakers() -> dict[str, Any]:
@@ -134,13 +140,39 @@ def _breakers() -> dict[str, Any]:
                             "max_requests": lim, "max_retries": 64} for p in ("DEFAULT", "HIGH")]}
 
 
+def _cel(expression: str) -> dict[str, Any]:
+    return {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+        "expression": expression}}}
+
+
+def _error_format(message: str, type_: str, code: str) -> dict[str, Any]:
+    return {"json_format": {"error": {"message": message, "type": type_, "param": None, "code": code}},
+            "content_type": "application/json"}
+
+
+def _local_reply_config() -> dict[str, Any]:
+    """Envoy's own replies (picker unreachable or failing, upstream connect failure, reset before
+    headers, timeouts) as OpenAI-style JSON errors. The picker's ImmediateResponses (details
+    ``phasewise_*``, already JSON) and the ``no_destination`` direct response are left alone."""
+    mine = "response.code_details.startsWith('phasewise_') || response.code_details == 'direct_response'"
+    return {"mappers": [
+        {"filter": _cel("response.code_details.startsWith('ext_proc')"),
+         "body_format_override": _error_format("the endpoint picker failed or could not be reached",
+                                               "service_unavailable", "picker_unavailable")},
+        {"filter": _cel(f"!({mine})"),
+         "body_format_override": _error_format("%LOCAL_REPLY_BODY%", "upstream_error", "upstream_error")},
+    ]}
+
+
 def build_envoy_config(*, listen_port: int = 8081, listen_host: str = "0.0.0.0",
                        picker_address: str = "127.0.0.1:9002",
                        mode: Literal["full-duplex", "efficient"] = "full-duplex",
                        failure_mode: Literal["FailClose", "FailOpen"] = "FailClose",
                        fail_open_endpoints: Sequence[str] = (), admin_port: int | None = 9901,
                        stream_idle_timeout_s: float = 300.0, message_timeout_s: float = 300.0,
-                       connect_timeout_s: float = 5.0, access_log_flush_s: float = 0.01) -> dict[str, Any]:
+                       connect_timeout_s: float = 5.0, access_log_flush_s: float = 0.01,
+                       picker_ports: dict[str, int | None] | None = None) -> dict[str, Any]:
     """The Envoy bootstrap (a dict, as Envoy's YAML/JSON) for Envoy beside the picker.
 
     Args:
@@ -160,9 +192,14 @@ def build_envoy_config(*, listen_port: int = 8081, listen_host: str = "0.0.0.0",
         connect_timeout_s: upstream connect timeout (s).
         access_log_flush_s: efficient mode: the access log's flush interval (s), the bound on
             how late the picker learns of a completion when traffic is light.
+        picker_ports: the picker's own ports on the same host (name -> port, e.g. ``epp.port``),
+            which ``listen_port`` must not reuse.
 
     Raises:
-        ValueError: a bad address, mode or failure mode, or FailOpen without endpoints.
+        ValueError: naming the argument: a bad address or port (out of range, a host name where
+            Envoy needs an IP, the listen port equal to the admin port or to one of
+            ``picker_ports``), mode or failure mode, FailOpen without endpoints, or endpoints
+            without FailOpen.
     """
     if mode not in ("full-duplex", "efficient"):
         raise ValueError(f"mode must be full-duplex or efficient, got {mode!r}")
@@ -170,7 +207,27 @@ def build_envoy_config(*, listen_port: int = 8081, listen_host: str = "0.0.0.0",
         raise ValueError(f"failure_mode must be FailClose or FailOpen, got {failure_mode!r}")
     if failure_mode == "FailOpen" and not fail_open_endpoints:
         raise ValueError("failure_mode FailOpen needs fail_open_endpoints (ip:port of the engines)")
-    picker_host, picker_port = _split(picker_address)
+    _check_port("listen_port", listen_port)
+    if admin_port is not None:
+        _check_port("admin_port", admin_port)
+        if admin_port == listen_port:
+            raise ValueError(f"listen_port {listen_port} is also the admin_port")
+    try:
+        ipaddress.ip_address(listen_host.strip("[]"))
+    except ValueError:
+        raise ValueError(f"listen_host must be an IP address, got {listen_host!r}") from None
+    if fail_open_endpoints and failure_mode != "FailOpen":
+        raise ValueError("fail_open_endpoints are used only with failure_mode FailOpen")
+    for e in fail_open_endpoints:
+        host, _ = _split(e, "fail_open_endpoints")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(f"fail_open_endpoints: Envoy needs an IP address, got {e!r}") from None
+    picker_host, picker_port = _split(picker_address, "picker_address")
+    for name, port in (picker_ports or {}).items():
+        if port and port == listen_port:
+            raise ValueError(f"listen_port {listen_port} is also the picker's {name}")
     efficient = mode == "efficient"
     response_mode = {"response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SKIP"} \
         if efficient else {"response_header_mode": "SEND", "response_body_mode": "FULL_DUPLEX_STREAMED",
@@ -222,6 +279,7 @@ def build_envoy_config(*, listen_port: int = 8081, listen_host: str = "0.0.0.0",
         "route_config": {"name": "phasewise", "virtual_hosts": [
             {"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": http_filters,
+        "local_reply_config": _local_reply_config(),
     }
     if efficient:
         hcm["access_log"] = [{"name": "envoy.access_loggers.http_grpc", "typed_config": {
@@ -256,9 +314,13 @@ def build_envoy_config(*, listen_port: int = 8081, listen_host: str = "0.0.0.0",
                                                            "typed_config": hcm}]}]}],
             "clusters": clusters,
         },
-        # Streams of LLM answers run long and many at once: no overload cut of downstream connections.
-        "layered_runtime": {"layers": [{"name": "static", "static_layer": {
-            "overload.global_downstream_max_connections": 100000}}]},
+        # Streams of LLM answers run long and many at once: a high bound on downstream connections
+        # (the resource monitor; the runtime key overload.global_downstream_max_connections is deprecated).
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.resource_monitors."
+                                      "downstream_connections.v3.DownstreamConnectionsConfig",
+                             "max_active_downstream_connections": CIRCUIT_BREAKER_LIMIT}}]},
     }
     if admin_port is not None:
         out["admin"] = {"address": _address("127.0.0.1", admin_port)}

@@ -180,8 +180,15 @@ def _header_map(hm) -> dict[str, str]:
     return out
 
 
+#: No subset hint in the metadata (a hint that is present but null or malformed is refused).
+_NO_HINT = object()
+_MALFORMED = object()
+
+
 def _struct_value(v: struct_pb2.Value) -> Any:
     kind = v.WhichOneof("kind")
+    if kind == "struct_value":
+        return _MALFORMED
     if kind == "list_value":
         return [_struct_value(x) for x in v.list_value.values]
     if kind == "string_value":
@@ -193,11 +200,11 @@ def _struct_value(v: struct_pb2.Value) -> Any:
     return None
 
 
-def _metadata_field(md, namespace: str, key: str) -> Any:
-    """``filter_metadata[namespace][key]`` of an Envoy ``Metadata`` as Python, or None if absent."""
+def _metadata_field(md, namespace: str, key: str, absent: Any = None) -> Any:
+    """``filter_metadata[namespace][key]`` of an Envoy ``Metadata`` as Python, or ``absent``."""
     ns = md.filter_metadata.get(namespace) if md.filter_metadata else None
     if ns is None or key not in ns.fields:
-        return None
+        return absent
     return _struct_value(ns.fields[key])
 
 
@@ -263,14 +270,14 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         t0 = time.monotonic()
         headers: dict[str, str] | None = None
         body = bytearray()
-        subset: Any = None
+        subset: Any = _NO_HINT
         booking: _Booking | None = None
         done = False  # the response ended (completed) or the request was refused
         try:
             async for msg in request_iterator:
                 which = msg.WhichOneof("request")
-                if msg.HasField("metadata_context") and subset is None and booking is None:
-                    subset = _metadata_field(msg.metadata_context, SUBSET_NAMESPACE, SUBSET_KEY)
+                if msg.HasField("metadata_context") and subset is _NO_HINT and booking is None:
+                    subset = _metadata_field(msg.metadata_context, SUBSET_NAMESPACE, SUBSET_KEY, _NO_HINT)
                 if booking is None:
                     if which == "request_headers":
                         headers = _header_map(msg.request_headers.headers)
@@ -283,7 +290,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                         body += msg.request_body.body
                         if len(body) > self.d.settings.epp.max_body_bytes:
                             done = True
-                            yield self._refuse(_immediate(
+                            yield self._refuse(self._refusal(
                                 413, f"request body exceeds the limit of {self.d.settings.epp.max_body_bytes} bytes",
                                 "invalid_request_error", "too_large", code="request_too_large"))
                             return
@@ -405,8 +412,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                                                  "yet: model lists are still being read", "service_unavailable",
                                                  "no_endpoint", retry_after=True))
         exclude: frozenset[str] = frozenset()
-        if subset is not None:
-            wanted = {subset} if isinstance(subset, str) else {x for x in subset if isinstance(x, str)}
+        if subset is not _NO_HINT:
+            # A list of ip:port or a comma-separated string; anything else (a number, a boolean,
+            # a struct, null) names no endpoint: refused like an empty hint.
+            if isinstance(subset, str):
+                wanted = {subset}
+            elif isinstance(subset, list):
+                wanted = {x for x in subset if isinstance(x, str)}
+            else:
+                wanted = set()
             wanted = {w.strip() for s in wanted for w in s.split(",") if w.strip()}
             exclude = frozenset(ep.name for ep in router.endpoints if endpoint_address(ep) not in wanted)
             if not wanted or not router.has_candidate(exclude, model):
@@ -597,6 +611,21 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         ep, r = b.ep, b.r
         status = entry.response.response_code.value
         flags = cp.response_flags
+        start = cp.start_time.ToNanoseconds() / 1e9 if cp.HasField("start_time") else None
+        tokens, e2e, ttft, tail = self._lua_figures(cp, b, start)
+        # A client that closed after reading [DONE] (the openai client does) got the whole answer.
+        client_gone = flags.downstream_connection_termination and _DONE not in tail
+        broken = None if client_gone else _upstream_broke(entry, flags)
+        if broken is not None and status and status < 300:
+            # The upstream failed after its headers (died, reset, timed out mid-stream): the
+            # client got a cut answer. Counted as routerd's proxy counts it: 502, an upstream
+            # error of kind stream (or timeout), passive health.
+            (ep.m.err_timeout if broken == "timeout" else ep.m.err_stream).inc()
+            d.router.note_failure(ep, broken)
+            d.metrics.count_response(502)
+            d.router.finish(r)
+            self.m.outcome["completed"].inc()
+            return
         if flags.upstream_connection_failure or flags.no_healthy_upstream:
             ep.m.err_connect.inc()
             d.router.note_connect_failure(ep)
@@ -605,13 +634,10 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             d.router.note_failure(ep, "status")
         elif status:
             d.router.note_success(ep)
-        start = cp.start_time.ToNanoseconds() / 1e9 if cp.HasField("start_time") else None
         if cp.HasField("time_to_last_downstream_tx_byte") and start is not None:
             end = start + cp.time_to_last_downstream_tx_byte.ToNanoseconds() / 1e9
             self.m.completion_delay.observe(max(0.0, time.time() - end))
-        tokens, e2e, ttft, tail = self._lua_figures(cp, b, start)
-        # A client that closed after reading [DONE] (the openai client does) got the whole answer.
-        if status == 200 and (not flags.downstream_connection_termination or _DONE in tail):
+        if status == 200 and not client_gone:
             ep.on_first_token(r)
             ep.on_tokens(r, tokens)
             m = d.metrics
@@ -664,6 +690,26 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         for b in self.pending.values():
             self.d.router.finish(b.r)
         self.pending.clear()
+
+
+#: Envoy response flags that say the upstream failed (UT, UR, UC, UF, UPE, URX, UMSDR, SI).
+_UPSTREAM_FAILURE_FLAGS = ("upstream_remote_reset", "upstream_connection_termination", "upstream_connection_failure",
+                           "upstream_protocol_error", "upstream_retry_limit_exceeded", "upstream_overflow")
+_UPSTREAM_TIMEOUT_FLAGS = ("upstream_request_timeout", "upstream_max_stream_duration_reached", "stream_idle_timeout")
+
+
+def _upstream_broke(entry, flags) -> str | None:
+    """``"stream"`` or ``"timeout"`` when an access-log entry says the upstream failed (Envoy's
+    response flags, or ``response_code_details`` ``upstream_reset_after_response_started...``),
+    else None."""
+    if any(getattr(flags, f) for f in _UPSTREAM_TIMEOUT_FLAGS):
+        return "timeout"
+    if any(getattr(flags, f) for f in _UPSTREAM_FAILURE_FLAGS):
+        return "stream"
+    details = entry.response.response_code_details
+    if details.startswith("upstream_reset") or details.startswith("upstream_per_try_timeout"):
+        return "stream"
+    return None
 
 
 def _bucket(tokens: int, edges) -> int:
