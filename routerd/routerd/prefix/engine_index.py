@@ -124,11 +124,6 @@ the next engine asked about the same prompt (one tuple, rebound whole, so thread
 pair one prompt with another's answer)."""
 
 
-def _remember(ext: Any, k: int) -> None:
-    global _last_answer
-    _last_answer = (ext, k)
-
-
 class EngineBlockIndex:
     """The blocks one engine instance holds, keyed as requests key theirs, from its KV events.
 
@@ -273,12 +268,12 @@ class EngineBlockIndex:
             # A decision asks every candidate's engine about one prompt, and engines that hold a
             # conversation or a system prompt end at the same block: try the last answer first
             # (two lookups when right; a wrong one still narrows the bisection).
+            global _last_answer
             seen, k = _last_answer
             if seen is ext and lo <= k <= hi:
                 if ext[k - 1][0] in keys:
                     if ext[k][0] not in keys:
-                        _remember(ext, k)
-                        return k
+                        return k  # already the remembered answer
                     lo = k + 1
                 else:
                     hi = k - 1
@@ -288,7 +283,7 @@ class EngineBlockIndex:
                     lo = mid + 1
                 else:
                     hi = mid
-            _remember(ext, lo)
+            _last_answer = (ext, lo)
             return lo
         total = 0
         for k, m in ext:
