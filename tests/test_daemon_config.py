@@ -221,3 +221,23 @@ def test_one_run_names_field_errors_and_the_profile_checks_together(tmp_path):
         load_settings(p, environ={})
     assert "prefix.block_size: Input should be a valid integer" in str(e.value)
     assert f"config {p}: profile: unknown profile 'nope'" in str(e.value)
+
+
+def test_endpoint_profiles_must_serve_the_model_with_its_block_size(tmp_path):
+    # endpoints[].profile: a known profile of the same model (llama3.1-8b: the A100's beside
+    # routerd's H100) passes; an unknown one, or one of another model, is named by its entry.
+    p = tmp_path / "r.yaml"
+    p.write_text("profile: llama3.1-8b-h100\nendpoints:\n"
+                 "  - {name: a, url: 'http://127.0.0.1:8100', profile: llama3.1-8b-a100}\n"
+                 "  - {name: b, url: 'http://127.0.0.1:8101'}\n")
+    s = load_settings(p, environ={})
+    assert [e.profile for e in s.endpoints] == ["llama3.1-8b-a100", None]
+    p.write_text("profile: llama3.1-8b-h100\nendpoints:\n"
+                 "  - {name: a, url: 'http://127.0.0.1:8100', profile: llama2-7b-a100}\n"
+                 "  - {name: b, url: 'http://127.0.0.1:8101', profile: nope}\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(p, environ={})
+    lines = str(e.value).splitlines()
+    assert lines[0] == "2 configuration errors:"
+    assert lines[1].strip().startswith(f"config {p}: endpoints[0].profile: pool mixes profiles of different models")
+    assert lines[2].strip().startswith(f"config {p}: endpoints[1].profile: unknown profile 'nope'")

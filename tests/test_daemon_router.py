@@ -315,3 +315,31 @@ def test_numpy_choices_are_accepted_and_dqn_on_another_cluster_size_is_counted(c
         assert said == ["policy dqn was built for 4 instances and 2 are ready; routing round robin while the "
                         "sizes differ (counted in phasewise_fallbacks_total{reason=\"policy_fallback\"})"]
     asyncio.run(main())
+
+
+def test_endpoints_of_mixed_gpus_get_their_own_profiles_and_predicted_latency_prefers_the_fast_one():
+    # routerd's profile is the A100's; e1 declares the H100's (endpoints[].profile). Its view
+    # reports the H100's KV blocks, every live policy sees both profiles by index, and
+    # predicted_latency (which forecasts with each instance's own profile) sends a request to
+    # the idle H100 rather than the idle A100. Moving e1 back to routerd's profile updates both.
+    from routerd.profiles import get_profile
+
+    a100, h100 = get_profile("llama3.1-8b-a100"), get_profile("llama3.1-8b-h100")
+    assert h100.num_blocks != a100.num_blocks
+    pol = build_routing_policy(PolicyConfig(name="predicted_latency"), a100, 2)
+    r = Router(profile=a100, policy=pol, policy_name="predicted_latency", metrics=Metrics(),
+               config=RouterConfig(), state_max_age_s=2.0)
+    r.set_endpoints([DiscoveredEndpoint("e0", "http://127.0.0.1:9000"),
+                     DiscoveredEndpoint("e1", "http://127.0.0.1:9001", profile="llama3.1-8b-h100")])
+    e0, e1 = r.by_name["e0"], r.by_name["e1"]
+    assert (e0.profile, e1.profile) == (a100, h100)
+    assert (e0.kv_total_blocks, e1.kv_total_blocks) == (a100.num_blocks, h100.num_blocks)
+    assert pol.ctx.profiles == (a100, h100)
+
+    async def main():
+        req = r.new_request(2000, 2)
+        return (await r.dispatch(req)).name
+    assert asyncio.run(main()) == "e1"
+
+    r.set_endpoints([DiscoveredEndpoint("e0", "http://127.0.0.1:9000"), DiscoveredEndpoint("e1", "http://127.0.0.1:9001")])
+    assert e1.profile is a100 and e1.kv_total_blocks == a100.num_blocks and pol.ctx.profiles == (a100, a100)

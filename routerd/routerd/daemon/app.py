@@ -400,7 +400,7 @@ class Daemon:
     # -- endpoints ---------------------------------------------------------------
     @staticmethod
     def _static_endpoints(settings: Settings) -> list[DiscoveredEndpoint]:
-        return [DiscoveredEndpoint(e.name, e.url, e.state_address, True, tuple(e.models), e.kv_events)
+        return [DiscoveredEndpoint(e.name, e.url, e.state_address, True, tuple(e.models), e.kv_events, e.profile)
                 for e in settings.endpoints]
 
     def _with_kv_events(self, e: DiscoveredEndpoint) -> DiscoveredEndpoint:

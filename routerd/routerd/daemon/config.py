@@ -159,6 +159,11 @@ class EndpointConfig(_Model):
     reports together name two or more) and that list is unknown or unreadable (401/403), the
     endpoint serves nothing (fail closed)."""
 
+    profile: str | None = None
+    """Hardware profile of this instance (a name or a profile YAML), for a pool of mixed GPUs
+    serving one model: its KV blocks, batch limits and latency model, which the policies read per
+    instance (``PolicyContext.profiles``; ``predicted_latency`` forecasts with it). None: the
+    top-level ``profile``. It must serve that profile's model with the same block size."""
     kv_events: str | None = None
     """ZMQ address of the instance's vLLM KV-event publisher (``--kv-events-config``), e.g.
     ``tcp://10.0.0.7:5557``; read in ``prefix.mode: precise``. None: the URL's host and
@@ -691,7 +696,7 @@ def load_settings(
                 elif isinstance(name, str):
                     seen[name] = i
         for loc, msg in profile_checks(data.get("profile", Settings.model_fields["profile"].default),
-                                       data.get("prefix")):
+                                       data.get("prefix"), _endpoint_profiles(data.get("endpoints"))):
             line = f"{_source_of(loc, path, env_data, overrides, override_flags)}: {format_loc(loc)}: {msg}"
             if line not in lines:
                 lines.append(line)
@@ -701,14 +706,22 @@ def load_settings(
         raise ConfigError(f"{len(lines)} configuration errors:\n  " + "\n  ".join(lines)) from None
     # The checks that need the profile, named by where they were set (the daemon checks them again).
     found = [f"{_source_of(loc, path, env_data, overrides, override_flags)}: {format_loc(loc)}: {msg}"
-             for loc, msg in profile_checks(settings.profile, settings.prefix.model_dump())]
+             for loc, msg in profile_checks(settings.profile, settings.prefix.model_dump(),
+                                            [e.profile for e in settings.endpoints])]
     if found:
         raise ConfigError(found[0] if len(found) == 1 else
                           f"{len(found)} configuration errors:\n  " + "\n  ".join(found))
     return settings
 
 
-def profile_checks(profile: Any, prefix: Any) -> list[tuple[tuple, str]]:
+def _endpoint_profiles(endpoints: Any) -> list[Any]:
+    """Each raw ``endpoints[i].profile`` (None where absent or the entry is malformed)."""
+    if not isinstance(endpoints, list):
+        return []
+    return [e.get("profile") if isinstance(e, Mapping) else None for e in endpoints]
+
+
+def profile_checks(profile: Any, prefix: Any, endpoint_profiles: Any = ()) -> list[tuple[tuple, str]]:
     """``(field path, message)`` of each check that needs the hardware profile: ``profile`` must
     load (a known name or a readable profile YAML), and ``prefix.block_size``, when set, must equal
     its block size (the policies count a match's cached tokens in the profile's blocks). Values of
@@ -716,22 +729,36 @@ def profile_checks(profile: Any, prefix: Any) -> list[tuple[tuple, str]]:
     does not exist here (a file the pod mounts, checked where it runs: the daemon loads it at start
     and names it if it cannot).
     """
-    from routerd.profiles import ProfileError, get_profile
+    from routerd.profiles import PoolError, ProfileError, check_pool, get_profile
 
-    if not isinstance(profile, str):
-        return []
-    if ("/" in profile or profile.endswith((".yaml", ".yml"))) and not Path(profile).exists():
-        return []
-    try:
-        prof = get_profile(profile)
-    except ProfileError as e:
-        return [(("profile",), str(e))]
+    def load(spec: Any, loc: tuple) -> tuple[Any, list[tuple[tuple, str]]]:
+        if not isinstance(spec, str):
+            return None, []
+        if ("/" in spec or spec.endswith((".yaml", ".yml"))) and not Path(spec).exists():
+            return None, []
+        try:
+            return get_profile(spec), []
+        except ProfileError as e:
+            return None, [(loc, str(e))]
+
+    prof, out = load(profile, ("profile",))
+    if prof is None:
+        return out
     bs = prefix.get("block_size") if isinstance(prefix, Mapping) else None
     if type(bs) is int and bs != prof.block_size:
-        return [(("prefix", "block_size"), f"{bs} differs from the block_size {prof.block_size} of profile "
-                 f"{profile!r}; the policies count cached tokens in the profile's blocks: give a profile with "
-                 "vLLM's --block-size, or leave prefix.block_size unset")]
-    return []
+        out.append((("prefix", "block_size"), f"{bs} differs from the block_size {prof.block_size} of profile "
+                    f"{profile!r}; the policies count cached tokens in the profile's blocks: give a profile with "
+                    "vLLM's --block-size, or leave prefix.block_size unset"))
+    for i, spec in enumerate(endpoint_profiles or ()):
+        loc = ("endpoints", i, "profile")
+        own, errs = load(spec, loc)
+        out.extend(errs)
+        if own is not None:
+            try:
+                check_pool([prof, own])  # one model, one block size (routerd.profiles.profile_model)
+            except PoolError as e:
+                out.append((loc, str(e)))
+    return out
 
 
 def _merge_layer(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,8 @@ class DiscoveredEndpoint:
     kv_events: str | None = None
     """ZMQ address of its vLLM KV-event publisher (``tcp://host:port``). None: not given by the
     source (the daemon uses the URL's host and ``prefix.kv_events.port``); ``""``: it publishes none."""
+    profile: str | None = None
+    """Its hardware profile (a name or YAML path, ``endpoints[].profile``); None: routerd's ``profile``."""
 
 
 #: Called with the complete current endpoint set each time it changes. Sources running

@@ -298,6 +298,8 @@ class Router:
         self._fallback_warned_for: int | None = None
         """Ready-endpoint count for which the policy's own fallback was last logged."""
         self._idle_waiters: list[asyncio.Future] = []
+        self._bad_profiles: set[str] = set()
+        """Endpoint profiles that failed to load at runtime (each said once)."""
         self._cands: dict[Any, tuple[list[EndpointState], float, float]] | None = None
         """Per model: candidates without exclusions and the times between which they stay valid
         (see :meth:`_candidates`); None after anything they depend on changed."""
@@ -448,6 +450,7 @@ class Router:
         self._fallbacks_seen = {}
         self._fallback_warned_for = None
         self._idle_hold_since = {}
+        self._sync_profiles()
         self._decide()
 
     def set_endpoints(self, discovered: Sequence[DiscoveredEndpoint], *, lists_read: bool = False) -> None:
@@ -468,8 +471,9 @@ class Router:
             seen.add(d.name)
             ep = self.by_name.get(d.name)
             fresh = ep is None
+            prof = self._profile_of(d)
             if ep is None:
-                ep = EndpointState(len(self.endpoints), d.name, d.url, d.state_address, d.ready, self.profile)
+                ep = EndpointState(len(self.endpoints), d.name, d.url, d.state_address, d.ready, prof)
                 ep.m = self.metrics.endpoint(d.name, ep.requests.__len__,
                                              lambda ep=ep: 1.0 if ep.ejected_until > self.clock() else 0.0,
                                              lambda ep=ep: float(self.prefix_index_blocks(ep)))
@@ -488,6 +492,8 @@ class Router:
                     self._forget_prefixes(ep.index)
                     fresh = True
                 ep.state_address, ep.ready, ep.removed = d.state_address, d.ready, False
+                if ep.profile is not prof:
+                    ep.set_profile(prof)
             ep.kv_events = d.kv_events
             configured = frozenset(d.models)
             if configured != ep.configured_models:
@@ -507,9 +513,35 @@ class Router:
                 ep.m.ready.set(0)
         self._drop_removed()
         self._rebuild_models()
+        self._sync_profiles()
         if self.on_ready_change is not None:
             self.on_ready_change()
         self._decide()
+
+    def _profile_of(self, d: DiscoveredEndpoint) -> "HardwareProfile":
+        """``d``'s own profile (``endpoints[].profile``, checked when the settings were loaded), or
+        routerd's. One that cannot be loaded now (a file gone since) is routerd's, said once."""
+        if not d.profile:
+            return self.profile
+        from routerd.profiles import ProfileError, get_profile
+
+        try:
+            return get_profile(d.profile)
+        except ProfileError as e:
+            if d.profile not in self._bad_profiles:
+                self._bad_profiles.add(d.profile)
+                log.warning("endpoint %s: profile %s cannot be loaded (%s); using %s", d.name, d.profile, e,
+                            self.profile.name)
+            return self.profile
+
+    def _sync_profiles(self) -> None:
+        """Give every live policy each endpoint's profile by its index (``PolicyContext.profiles``),
+        after the endpoint table changed or a policy was built."""
+        profiles = tuple(ep.profile for ep in self.endpoints)
+        for p in (self.policy, *self._model_policies.values()):
+            ctx = getattr(p, "ctx", None)
+            if ctx is not None and getattr(ctx, "profiles", None) != profiles and hasattr(ctx, "profiles"):
+                ctx.profiles = profiles
 
     def _drop_removed(self) -> None:
         gone = [ep for ep in self.endpoints if ep.removed and not ep.requests]
@@ -529,6 +561,7 @@ class Router:
         for ix in self._live_indexes():
             ix.renumber(moved)
         self._rebuild_models()
+        self._sync_profiles()
 
     def update_state(self, name: str, state: Any) -> None:
         """Store a sidecar ``InstanceState`` for endpoint ``name`` (ignored if unknown)."""
@@ -956,6 +989,7 @@ class Router:
         if p is None:
             p = self._model_policies[model] = self._build_model_policy(model)
             self._fallbacks_seen[model] = getattr(p, "fallbacks", None)
+            self._sync_profiles()
         return p
 
     def _build_model_policy(self, model: str) -> RoutingPolicy:

@@ -73,8 +73,7 @@ class EndpointState(RequestBook):
         self.ready = ready
         self.removed = False
         """Gone from the endpoint source: no new requests, dropped once its requests finish."""
-        self.kv_total_blocks = max(1, profile.num_blocks)
-        self.max_num_seqs = profile.max_num_seqs
+        self.set_profile(profile)
         self.num_waiting = 0
         self.kv_used_blocks = 0
         self.snapshot: Any = None
@@ -103,6 +102,14 @@ class EndpointState(RequestBook):
         names, whatever the number of models (see ``Router._rebuild_models``)."""
         self.m: Any = None
         """Pre-resolved metric children (:class:`routerd.daemon.metrics.EndpointMetrics`)."""
+
+    def set_profile(self, profile: "HardwareProfile") -> None:
+        """Its hardware profile (``endpoints[].profile`` or routerd's): the KV blocks and batch
+        limit its view reports, and ``PolicyContext.profiles`` at its index. The block size is
+        routerd's, one for all (checked at configuration)."""
+        self.profile = profile
+        self.kv_total_blocks = max(1, profile.num_blocks)
+        self.max_num_seqs = profile.max_num_seqs
 
     @property
     def models(self) -> frozenset[str] | None:
