@@ -706,11 +706,9 @@ def routerd_rbac(pool: PoolRef) -> list[dict[str, Any]]:
     ]
 
 
-def routerd_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings, *,
-                       checkpoint: Checkpoint | None = None) -> dict[str, Any]:
-    """``P-routerd``: ``phasewise serve`` reading the ConfigMap, with the EndpointSlice RBAC's token."""
-    r = spec.routerd
-    rs = routerd_settings(pool, spec, checkpoint=checkpoint)
+def _router_volumes(pool: PoolRef, spec: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) of the router's process (routerd or the picker): routerd's ConfigMap, a
+    writable /tmp and, when the pool names one, the predictor's PersistentVolumeClaim."""
     vol = _config_volume(True)
     vol["configMap"]["name"] = routerd_name(pool.name)
     volumes: list[dict[str, Any]] = [vol, {"name": "tmp", "emptyDir": {}}]
@@ -719,6 +717,15 @@ def routerd_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings
         volumes.append({"name": "predictor", "persistentVolumeClaim": {
             "claimName": spec.predictor.persistent_volume_claim.claim_name, "readOnly": True}})
         mounts.append({"name": "predictor", "mountPath": PREDICTOR_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def routerd_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings, *,
+                       checkpoint: Checkpoint | None = None) -> dict[str, Any]:
+    """``P-routerd``: ``phasewise serve`` reading the ConfigMap, with the EndpointSlice RBAC's token."""
+    r = spec.routerd
+    rs = routerd_settings(pool, spec, checkpoint=checkpoint)
+    volumes, mounts = _router_volumes(pool, spec)
     container = {
         "name": "routerd",
         "image": r.image or settings.routerd_image,
@@ -878,14 +885,7 @@ def picker_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings,
     """
     p = spec.gateway.picker  # type: ignore[union-attr]
     rs = routerd_settings(pool, spec, checkpoint=checkpoint)
-    vol = _config_volume(True)
-    vol["configMap"]["name"] = routerd_name(pool.name)
-    volumes: list[dict[str, Any]] = [vol, {"name": "tmp", "emptyDir": {}}]
-    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, {"name": "tmp", "mountPath": "/tmp"}]
-    if spec.predictor is not None and spec.predictor.persistent_volume_claim is not None:
-        volumes.append({"name": "predictor", "persistentVolumeClaim": {
-            "claimName": spec.predictor.persistent_volume_claim.claim_name, "readOnly": True}})
-        mounts.append({"name": "predictor", "mountPath": PREDICTOR_DIR, "readOnly": True})
+    volumes, mounts = _router_volumes(pool, spec)
     epp = {
         "name": "epp",
         "image": spec.routerd.image or settings.routerd_image,
