@@ -411,6 +411,25 @@ def test_efficient_mode_completes_on_the_access_log_entry():
     asyncio.run(main())
 
 
+def test_a_full_duplex_picker_behind_the_efficient_envoy_config_says_so_once(caplog):
+    # Only the efficient Envoy configuration sends access-log entries: a full-duplex picker that
+    # receives them is behind the wrong configuration (its requests would all count 499).
+    async def main():
+        async with Picker() as p:
+            als = als_pb2_grpc.AccessLogServiceStub(p.channel)
+            stream = als.StreamAccessLogs()
+            await stream.write(als_pb2.StreamAccessLogsMessage(
+                http_logs=als_pb2.StreamAccessLogsMessage.HTTPAccessLogEntries(
+                    log_entry=[_entry("a", 200), _entry("b", 200)])))
+            await asyncio.wait_for(_until(lambda: sample(p.d, "phasewise_epp_access_log_unknown_total") == 2), 5)
+            await stream.done_writing()
+            await stream
+    with caplog.at_level("WARNING", logger="routerd.epp"):
+        asyncio.run(main())
+    said = [r for r in caplog.records if "epp.mode is full-duplex but Envoy sends access-log entries" in r.message]
+    assert len(said) == 1
+
+
 def test_efficient_mode_counts_an_upstream_that_died_mid_stream_as_502_stream_error():
     async def main():
         async with Picker(epp={"mode": "efficient"}) as p:

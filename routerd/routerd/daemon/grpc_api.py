@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -213,18 +213,56 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.inflight.clear()
 
 
+class ReadinessHealth:
+    """``grpc.health.v1`` statuses that follow routerd's readiness: ``services`` SERVING while it is
+    ready, NOT_SERVING otherwise (routerd's gRPC API and the endpoint picker, :mod:`routerd.epp`).
+    ``servicer`` is the HealthServicer to add to a server."""
+
+    def __init__(self, services: Sequence[str]) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self.services = tuple(services)
+        self._serving: bool | None = None
+        self._bg: set[asyncio.Future] = set()
+
+    def set_serving(self, serving: bool) -> None:
+        """Set every one of ``services`` to SERVING or NOT_SERVING, if that changed (in the
+        background: the servicer's ``set`` is a coroutine, and callers are not)."""
+        if serving == self._serving:
+            return
+        self._serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def _set() -> None:
+            for name in self.services:
+                await self.servicer.set(name, status)
+
+        task = asyncio.ensure_future(_set())
+        self._bg.add(task)  # the loop keeps only a weak reference
+        task.add_done_callback(self._bg.discard)
+
+
+async def cancel_task(task: "asyncio.Task | None") -> None:
+    """Cancel ``task`` (None: nothing) and wait until it has ended."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
 class GrpcServer:
     """The grpc.aio server of one daemon."""
 
     def __init__(self, daemon: "Daemon") -> None:
         self.d = daemon
         self.servicer = RouterServicer(daemon)
-        self.health = health.aio.HealthServicer()
+        self.readiness = ReadinessHealth(("", SERVICE_NAME))
+        self.health = self.readiness.servicer
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self._sweeper: asyncio.Task | None = None
-        self._serving: bool | None = None
-        self._bg: set[asyncio.Future] = set()
 
     async def start(self, host: str, port: int) -> None:
         """Bind ``host:port`` (0 = any free port, see :attr:`port`) and start serving.
@@ -247,18 +285,7 @@ class GrpcServer:
 
     def set_serving(self, serving: bool) -> None:
         """Set the health status of the server and the RouterService."""
-        if serving == self._serving:
-            return
-        self._serving = serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-
-        async def _set() -> None:
-            await self.health.set("", status)
-            await self.health.set(SERVICE_NAME, status)
-
-        task = asyncio.ensure_future(_set())
-        self._bg.add(task)  # the loop keeps only a weak reference
-        task.add_done_callback(self._bg.discard)
+        self.readiness.set_serving(serving)
 
     async def _sweep(self) -> None:
         while True:
@@ -269,13 +296,8 @@ class GrpcServer:
 
     async def stop(self, grace_s: float = 0.5) -> None:
         """Stop serving (in-flight RPCs get ``grace_s``) and release gRPC-routed bookkeeping."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            try:
-                await self._sweeper
-            except asyncio.CancelledError:
-                pass
-            self._sweeper = None
+        await cancel_task(self._sweeper)
+        self._sweeper = None
         if self.server is not None:
             await self.health.enter_graceful_shutdown()
             await self.server.stop(grace_s)

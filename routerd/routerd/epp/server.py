@@ -69,11 +69,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Histogram
 
 from routerd.daemon.proxy import (_COMPLETION_TOKENS, _DONE, REASON_HEADER, BadRequest, _StreamRelay, error_body,
                                   parse_request, stream_tokens)
+from routerd.daemon.grpc_api import ReadinessHealth, cancel_task
 from routerd.daemon.router import RejectedError, shown_name
 from routerd.epp.names import (DEST_HEADER, LB_NAMESPACE, LUA_NAMESPACE, REQUEST_ID_HEADER, SERVED_KEY,
                                SUBSET_KEY, SUBSET_NAMESPACE)
@@ -257,6 +258,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         self.d = daemon
         self.m = metrics
         self.efficient = efficient
+        self._said_als_mismatch = False
         self._ids = itertools.count(1)
         self._prefix = f"{os.getpid():x}-{int(time.time()):x}-"
         self.pending: dict[str, _Booking] = {}
@@ -593,6 +595,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     def on_access_log(self, entry) -> None:
         """Complete the booking an HTTP access-log entry (``envoy.data.accesslog.v3.HTTPAccessLogEntry``) names."""
         rid = entry.request.request_headers.get(REQUEST_ID_HEADER)
+        if not self.efficient and not self._said_als_mismatch:
+            # Only the efficient Envoy configuration sends access-log entries; with it, Envoy ends
+            # each ext_proc stream after the request phase, and a full-duplex picker sees every
+            # request end there (counted 499, released early).
+            self._said_als_mismatch = True
+            log.warning("epp.mode is full-duplex but Envoy sends access-log entries, as the efficient "
+                        "configuration does (phasewise epp --print-envoy-config --mode efficient): requests "
+                        "end after their request phase here and count as cancelled; run the picker with "
+                        "epp.mode efficient, or Envoy with the full-duplex configuration")
         b = self.pending.pop(rid, None) if rid else None
         if b is None:
             if rid:
@@ -745,15 +756,15 @@ class EppServer:
         self.mode = cfg.mode
         self.metrics = EppMetrics(daemon.metrics.registry)
         self.ext_proc = ExtProcServicer(daemon, self.metrics, cfg.mode == "efficient")
-        self.health = health.aio.HealthServicer()
+        # liveness is SERVING from the start and stays so; the rest follow readiness.
+        self.readiness = ReadinessHealth([n for n in HEALTH_SERVICES if n != "liveness"])
+        self.health = self.readiness.servicer
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.health_port: int | None = None
         self.metrics_port: int | None = None
         self._runner: Any = None
-        self._serving: bool | None = None
-        self._bg: set[asyncio.Future] = set()
         self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -823,19 +834,7 @@ class EppServer:
 
     def set_serving(self, serving: bool) -> None:
         """Set ``readiness``, the ext_proc service and "" to SERVING or NOT_SERVING."""
-        if serving == self._serving:
-            return
-        self._serving = serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-
-        async def _set() -> None:
-            for name in HEALTH_SERVICES:
-                if name != "liveness":
-                    await self.health.set(name, status)
-
-        task = asyncio.ensure_future(_set())
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
+        self.readiness.set_serving(serving)
 
     async def _sweep(self) -> None:
         while True:
@@ -845,13 +844,8 @@ class EppServer:
 
     async def stop(self, grace_s: float = 0.5) -> None:
         """Stop every listener (open streams get ``grace_s``) and release the bookings left."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            try:
-                await self._sweeper
-            except asyncio.CancelledError:
-                pass
-            self._sweeper = None
+        await cancel_task(self._sweeper)
+        self._sweeper = None
         if self.set_serving in self.d.ready_listeners:
             self.d.ready_listeners.remove(self.set_serving)
         await self.health.enter_graceful_shutdown()
