@@ -540,7 +540,7 @@ class Router:
         profiles = tuple(ep.profile for ep in self.endpoints)
         for p in (self.policy, *self._model_policies.values()):
             ctx = getattr(p, "ctx", None)
-            if ctx is not None and getattr(ctx, "profiles", None) != profiles and hasattr(ctx, "profiles"):
+            if hasattr(ctx, "profiles") and ctx.profiles != profiles:
                 ctx.profiles = profiles
 
     def _drop_removed(self) -> None:

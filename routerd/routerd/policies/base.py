@@ -263,6 +263,16 @@ def pick_near_best(scored: Sequence[tuple[float, int]], near_tie: float, rng: "r
     return pick_tie([i for s, i in scored if s <= bound], rng)
 
 
+def pick_cheapest(scored: Sequence[tuple[float, int]], near_tie: float, rng: "random.Random") -> int:
+    """The instance index of the lowest cost among ``scored`` (cost in seconds, index) pairs (not
+    empty): uniformly one of those within ``max(1e-12, near_tie * |lowest|)`` of it, so exact
+    ties (1e-12 s) always go to the seeded generator, near-ties too with ``near_tie`` > 0 (the
+    rule of the policies pricing in seconds: ``phasewise``, ``predicted_latency``)."""
+    lo = min(c for c, _ in scored)
+    bound = lo + max(1e-12, near_tie * abs(lo))
+    return pick_tie([i for c, i in scored if c <= bound], rng)
+
+
 def pick_tie(best: Sequence[int], rng: "random.Random") -> int:
     """One of ``best`` (equal top candidates), uniformly with the policy's seeded generator."""
     return best[0] if len(best) == 1 else best[rng.randrange(len(best))]

@@ -59,7 +59,7 @@ from routerd.policies.base import (
     PolicyParams,
     RequestFeatures,
     RoutingPolicy,
-    pick_tie,
+    pick_cheapest,
 )
 from routerd.policies.kv_headroom import blocks_for, predicted_footprint_tokens, waiting_kv_blocks
 from routerd.prefix.index import PrefixIndex, PrefixSource, cached_blocks, pending_prefill_work
@@ -163,9 +163,7 @@ class Phasewise(RoutingPolicy):
         scored = fit or (None if p.hold else unfit)
         if not scored:
             return None
-        lo = min(c for c, _ in scored)
-        bound = lo + max(1e-12, self.ctx.near_tie * abs(lo))
-        choice = pick_tie([i for c, i in scored if c <= bound], self._rng)
+        choice = pick_cheapest(scored, self.ctx.near_tie, self._rng)
         if prefix is not None:
             self._index.insert(choice, prefix, view.now)
         return choice

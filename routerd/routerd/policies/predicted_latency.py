@@ -71,7 +71,7 @@ from routerd.policies.base import (
     RequestFeatures,
     ResidentRequest,
     RoutingPolicy,
-    pick_tie,
+    pick_cheapest,
 )
 from routerd.policies.kv_headroom import blocks_for, kv_deficit_blocks, predicted_footprint_tokens
 from routerd.profiles import HardwareProfile
@@ -267,6 +267,4 @@ class PredictedLatency(RoutingPolicy):
         scored = fit or (None if p.hold else unfit)
         if not scored:
             return None
-        lo = min(c for c, _ in scored)
-        bound = lo + max(1e-12, ctx.near_tie * abs(lo))
-        return pick_tie([i for c, i in scored if c <= bound], self._rng)
+        return pick_cheapest(scored, ctx.near_tie, self._rng)

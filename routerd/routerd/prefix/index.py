@@ -769,11 +769,7 @@ def cached_blocks(
     if prefix is None:
         return 0
     if source == "precise":
-        # engine_cached_blocks inline: this runs once per candidate of every decision.
-        fn = getattr(inst, "engine_cached_blocks", None)
-        if fn is not None:
-            n = fn(prefix)
-            if n is not None:
-                n = int(n)
-                return 0 if n < 0 else n if n < prefix.num_blocks else prefix.num_blocks
+        n = engine_cached_blocks(inst, prefix)
+        if n is not None:
+            return n
     return index.match(inst.index, prefix)
