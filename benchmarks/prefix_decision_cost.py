@@ -22,7 +22,11 @@ thread was preempted, which dominates p99 on a shared machine); p50 and p99 over
 after 10% warm-up. The indexes defer their inserts as routerd's do (``PrefixIndex.defer_updates``:
 routerd applies them, evictions included, on the next event-loop turn, after the request is on
 its way), so a pick is the decision; ``+update`` is the pick plus that insert (its CPU clock),
-what the decision costs the event loop in all. The prefix hashing (``PrefixIdentity.blocks_for``, what
+what the decision costs the event loop in all. The garbage collector runs as routerd runs it
+(``--collector routerd``, :mod:`routerd.daemon.collector`: no automatic collection, the same
+collections at routerd's thresholds between callbacks, here after each decision's update), and
+``gc`` is its mean CPU per decision (us); ``--collector cpython`` keeps CPython's automatic
+collector at its default thresholds, which collects inside the picks. The prefix hashing (``PrefixIdentity.blocks_for``, what
 routerd does once per request at parse) is timed apart, per prompt size and chunk size.
 
 ``--modes precise`` measures routerd's precise mode the same way: prompts keyed per 16-token
@@ -43,7 +47,7 @@ figures.
 
 Usage: python benchmarks/prefix_decision_cost.py [--n 3000] [--instances 4,8] [--tokens 1024,4096,8192]
        [--chunk-blocks 4,1] [--policies llmd,sglang_cache_aware,dynamo_kv,phasewise] [--load 16]
-       [--memory-bound 262144] [--modes approximate,precise]
+       [--memory-bound 262144] [--modes approximate,precise] [--collector routerd|cpython]
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from routerd.policies.base import ClusterView, RequestFeatures
 from routerd.profiles import get_profile
 
 PROFILE = "llama3.1-8b-h100"
+PACER = None  # routerd's collector (--collector routerd), run between decisions
 NEW_TOKENS = 50  # the new question at the end of each timed prompt
 
 
@@ -201,6 +206,7 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
         ns: list[int] = []
         cpu_ns: list[int] = []
         after_ns: list[int] = []
+        gc_ns = 0
         wall, cpu = time.perf_counter_ns, time.thread_time_ns
         ixs = prefix_indexes(policy)
         for k, prefix in enumerate(timed):
@@ -227,6 +233,10 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
             for ix in ixs:  # routerd's next event-loop turn, after the request is on its way
                 flush(ix)
             a = cpu() - a
+            if PACER is not None:  # routerd's collector timer, a callback of its own
+                g = cpu()
+                PACER.collect_if_due()
+                gc_ns += cpu() - g
             if precise and with_prefix and choice is not None:
                 engine_store(eps[choice], prefix, texts[k], seqs[choice])  # the engine's events, later
             ns.append(t)
@@ -243,7 +253,8 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
         cpu_out.extend(pct(cpu_ns[n // 10:]))
         if with_prefix:
             total = pct(after_ns[n // 10:])
-    return out + cpu_out + list(total), float(np.mean(matched)) if matched else 0.0
+            gc_mean = gc_ns / 1000.0 / len(timed)
+    return out + cpu_out + list(total) + [gc_mean], float(np.mean(matched)) if matched else 0.0
 
 
 def hashing(tokens: int, chunk: int, n: int, precise: bool = False) -> tuple[float, float, int]:
@@ -309,6 +320,9 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=8, help="warm-up conversations per instance")
     ap.add_argument("--memory-bound", type=int, default=262_144,
                     help="prefix.index_capacity_blocks for the memory part (0: skip it)")
+    ap.add_argument("--collector", default="routerd", choices=["routerd", "cpython"],
+                    help="routerd: collections paced between decisions as routerd runs them "
+                         "(routerd.daemon.collector); cpython: CPython's default automatic collector")
     ap.add_argument("--modes", default="approximate,precise",
                     help="prefix.mode values (precise: the engines' KV-event indexes, bytes tokenizer)")
     a = ap.parse_args()
@@ -327,7 +341,19 @@ def main() -> None:
                   ", ".join(f"{n} prompts {r:.0f} MB ({b} blocks)" for n, r, b in rows) +
                   f"; {(rows[-1][1] - rows[0][1]) * 1e6 / max(1, rows[-1][2] // 4):.0f} bytes per entry of 4 blocks"
                   " at the end")
-    gc.freeze()
+    global PACER
+    if a.collector == "routerd":
+        # As routerd runs (routerd.daemon.collector): start-up objects frozen, no automatic
+        # collection, the same collections between callbacks (here: after each decision's update).
+        from routerd.daemon.collector import THRESHOLDS, CollectorPacer
+
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(*THRESHOLDS)
+        gc.disable()
+        PACER = CollectorPacer()
+    else:
+        gc.freeze()
 
     print(f"prefix hashing (PrefixIdentity.blocks_for, once per request at parse; precise: tokenization "
           f"included), us; {a.n} prompts per row")
@@ -345,17 +371,17 @@ def main() -> None:
               f" wall clock, then the thread's CPU clock (without preemption)")
         print(f"{'policy':>19} {'m':>2} {'tokens':>6} {'chunk':>5} | {'p50':>6} {'p99':>6} {'None':>5} {'None':>5} "
               f"{'x p50':>5} {'x p99':>5} | {'cpu p50':>7} {'p99':>6} {'None':>5} {'None':>5} {'x p50':>5} "
-              f"{'x p99':>5} | {'+update p50':>11} {'p99':>6} | {'matched':>7}")
+              f"{'x p99':>5} | {'+update p50':>11} {'p99':>6} | {'gc':>5} | {'matched':>7}")
         for chunk, precise in cases:
             for name in pols:
                 for m in ms:
                     for tokens in sizes:
                         f, mb = measure(name, m, tokens, chunk, a.n, a.load, a.conversations, worst, precise)
-                        w50, w99, o50, o99, c50, c99, d50, d99, e50, e99 = f
+                        w50, w99, o50, o99, c50, c99, d50, d99, e50, e99, gcm = f
                         flag = "" if c99 <= 100.0 else "  CPU p99 > 100 us"
                         print(f"{name:>19} {m:>2} {tokens:>6} {'tok' if precise else chunk:>5} | {w50:6.1f} {w99:6.1f} {o50:5.1f} "
                               f"{o99:5.1f} {w50 / o50:5.2f} {w99 / o99:5.2f} | {c50:7.1f} {c99:6.1f} {d50:5.1f} "
-                              f"{d99:5.1f} {c50 / d50:5.2f} {c99 / d99:5.2f} | {e50:11.1f} {e99:6.1f} | {mb:7.1f}{flag}")
+                              f"{d99:5.1f} {c50 / d50:5.2f} {c99 / d99:5.2f} | {e50:11.1f} {e99:6.1f} | {gcm:5.1f} | {mb:7.1f}{flag}")
 
 
 if __name__ == "__main__":

@@ -102,9 +102,9 @@ def test_long_prompts_bisect_and_walk_to_the_same_answers():
     assert f.idx.orphans == 0 and f.idx.cached_blocks(q) == 400
 
 
-def test_one_prompt_asked_of_several_engines_answers_as_the_walk_whatever_the_last_answer():
-    # A decision asks every candidate's engine about the same prompt, each answer the next one's
-    # hint (right, too short or too long): every answer equals the linear walk over the keys.
+def test_one_prompt_asked_of_several_engines_answers_as_the_walk_whatever_the_answers_before():
+    # A decision asks every candidate's engine about the same prompt, the answers before being
+    # the next one's hints (right, too short or too long): every answer equals the linear walk.
     import random
 
     rng = random.Random(3)

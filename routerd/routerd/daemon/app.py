@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import logging
 import os
 import signal
@@ -25,6 +24,7 @@ from aiohttp import web
 
 from routerd.errors import ConfigError
 from routerd.model import PREDICTOR_BUCKET_EDGES, bucket_of
+from routerd.daemon.collector import CollectorPacer
 from routerd.daemon.config import PolicyConfig, Settings, load_settings
 from routerd.daemon.discovery import DiscoveredEndpoint
 from routerd.daemon.frontend import Frontend, effective_max_connections
@@ -850,6 +850,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         hup = asyncio.Event()
+        collector = CollectorPacer()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, stop.set)
         loop.add_signal_handler(signal.SIGHUP, hup.set)
@@ -857,12 +858,8 @@ class Daemon:
             await self.start()
             for front in fronts:
                 await front.start()
-            # The objects made at start-up (modules, settings, the policy) live as long as the
-            # process: move them out of the collector's way, and collect the young generation
-            # less often (each request makes a few hundred short-lived containers).
-            gc.collect()
-            gc.freeze()
-            gc.set_threshold(20_000, 20, 20)
+            # Collections between callbacks, never inside a decision (collector.py).
+            collector.start()
             while not stop.is_set():
                 waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(hup.wait())]
                 await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -879,4 +876,5 @@ class Daemon:
             for front in reversed(fronts):
                 await front.stop()
             await self.stop()
+            await collector.stop()
             log.info("routerd stopped (pid %d)", os.getpid())

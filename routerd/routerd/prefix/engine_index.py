@@ -118,10 +118,13 @@ _SETTLEABLE = frozenset(("late_join", "gap", "restart", "malformed", "unkeyed", 
 _MISSING = -1  # our keys are unsigned 64-bit: never negative
 
 
-_last_answer: tuple = ((), 0)
-"""The latest prompt (its extents) an engine index bisected and where its run ended: the hint for
-the next engine asked about the same prompt (one tuple, rebound whole, so threads sharing it never
-pair one prompt with another's answer)."""
+_answers: tuple = ((), ())
+"""The latest prompt (its extents) an engine index bisected and where the runs ended, the latest
+first, at most :data:`_HINTS`: the hints for the next engine asked about the same prompt (one
+tuple, rebound whole, so threads sharing it never pair one prompt with another's answers)."""
+#: Answers kept as hints: a decision's engines mostly end at one of a few places (nothing of the
+#: prompt, its system prompt, its conversation's history), so three cover them.
+_HINTS = 3
 
 
 class EngineBlockIndex:
@@ -266,24 +269,28 @@ class EngineBlockIndex:
                 return n
             lo, hi = 1, n - 1  # ext[lo - 1] present, ext[hi] absent
             # A decision asks every candidate's engine about one prompt, and engines that hold a
-            # conversation or a system prompt end at the same block: try the last answer first
-            # (two lookups when right; a wrong one still narrows the bisection).
-            global _last_answer
-            seen, k = _last_answer
-            if seen is ext and lo <= k <= hi:
-                if ext[k - 1][0] in keys:
-                    if ext[k][0] not in keys:
-                        return k  # already the remembered answer
-                    lo = k + 1
-                else:
-                    hi = k - 1
+            # conversation or a system prompt end at the same block: try the answers other
+            # engines gave first (two lookups when right; a wrong one still narrows the bisection).
+            global _answers
+            seen, hints = _answers
+            if seen is ext:
+                for k in hints:
+                    if lo <= k <= hi:
+                        if ext[k - 1][0] in keys:
+                            if ext[k][0] not in keys:
+                                return k  # already remembered
+                            lo = k + 1
+                        else:
+                            hi = k - 1
+            else:
+                hints = ()
             while lo < hi:
                 mid = (lo + hi) // 2
                 if ext[mid][0] in keys:
                     lo = mid + 1
                 else:
                     hi = mid
-            _last_answer = (ext, lo)
+            _answers = (ext, (lo,) + hints[:_HINTS - 1])
             return lo
         total = 0
         for k, m in ext:
