@@ -143,6 +143,26 @@ def test_example_pool_with_engine_groups():
     assert r.returncode != 0 and "engineGroups" in r.stderr, r.stderr
 
 
+def test_example_pool_with_a_mixed_gpu_group():
+    # examplePool.engineGroups[].profile: the group's own hardwareProfile (one model, two GPU types).
+    sets = ["examplePool.enabled=true", "examplePool.profile=llama3.1-8b-h100",
+            "examplePool.engineGroups[0].name=h100", "examplePool.engineGroups[0].model=llama-3.1-8b",
+            "examplePool.engineGroups[1].name=a100", "examplePool.engineGroups[1].model=llama-3.1-8b",
+            "examplePool.engineGroups[1].profile=llama3.1-8b-a100"]
+    (pool,) = by_kind(render(*sets), "LLMRouterPool")
+    assert pool["spec"]["engineGroups"] == [
+        {"name": "h100", "model": {"name": "llama-3.1-8b"}},
+        {"name": "a100", "model": {"name": "llama-3.1-8b"}, "hardwareProfile": {"name": "llama3.1-8b-a100"}}]
+    from phasewise_operator.spec import check_pool, parse_pool_spec
+
+    spec = parse_pool_spec(pool["spec"])
+    check_pool(spec)
+    assert spec.mixed_profiles
+    jsonschema = pytest.importorskip("jsonschema")
+    crd = yaml.safe_load((REPO / "crds" / "llmrouterpools.yaml").read_text())
+    jsonschema.Draft4Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]).validate(pool)
+
+
 def test_example_pool_prefix_is_its_spec_routing_prefix():
     # Unset: no prefix block, routerd's defaults.
     (plain,) = by_kind(render("examplePool.enabled=true"), "LLMRouterPool")

@@ -44,7 +44,7 @@ def test_defaults_file_environment_and_flags_in_that_order(tmp_path):
     ("router: {queue_limt: 3}\n", "config {p}: router.queue_limt: Extra inputs are not permitted"),
     ("router: {action_interval_s: 0}\n", "config {p}: router.action_interval_s: Input should be greater than 0"),
     ("kubernetes: {enabled: true}\n",
-     "config {p}: kubernetes: service is required when kubernetes discovery is enabled"),
+     "config {p}: kubernetes: service (or selector) is required when kubernetes discovery is enabled"),
     ("http: [1, 2]\n", "config {p}: http: Input should be a valid dictionary or instance of HttpConfig"),
     ("http: {port: 8000\n",
      "config {p}: invalid YAML at line 2, column 1: expected ',' or '}}', but got '<stream end>'"),
@@ -241,3 +241,30 @@ def test_endpoint_profiles_must_serve_the_model_with_its_block_size(tmp_path):
     assert lines[0] == "2 configuration errors:"
     assert lines[1].strip().startswith(f"config {p}: endpoints[0].profile: pool mixes profiles of different models")
     assert lines[2].strip().startswith(f"config {p}: endpoints[1].profile: unknown profile 'nope'")
+
+
+def test_kubernetes_profiles_by_slice_label_are_checked_as_endpoint_profiles(tmp_path):
+    # kubernetes.profiles (one per engine group's Service label): same rules as endpoints[].profile,
+    # named by the key; a mapping without the label that keys it is refused.
+    p = tmp_path / "r.yaml"
+    base = ("profile: llama3.1-8b-h100\nkubernetes:\n  enabled: true\n"
+            "  selector: 'phasewise.io/pool=chat,phasewise.io/engine-group'\n")
+    p.write_text(base + "  profile_label: phasewise.io/engine-group\n"
+                 "  profiles: {a100: llama3.1-8b-a100, h100: llama3.1-8b-h100}\n")
+    s = load_settings(p, environ={})
+    assert s.kubernetes.service is None and s.kubernetes.profiles == {"a100": "llama3.1-8b-a100",
+                                                                      "h100": "llama3.1-8b-h100"}
+    p.write_text(base + "  profile_label: phasewise.io/engine-group\n"
+                 "  profiles: {v100: llama2-7b-v100, x: nope}\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(p, environ={})
+    lines = str(e.value).splitlines()
+    assert lines[0] == "2 configuration errors:"
+    assert lines[1].strip().startswith(f"config {p}: kubernetes.profiles.v100: pool mixes profiles of different models")
+    assert lines[2].strip().startswith(f"config {p}: kubernetes.profiles.x: unknown profile 'nope'")
+    p.write_text(base + "  profiles: {a100: llama3.1-8b-a100}\n")
+    with pytest.raises(ConfigError, match="profiles needs profile_label"):
+        load_settings(p, environ={})
+    p.write_text("kubernetes: {enabled: true}\n")
+    with pytest.raises(ConfigError, match=r"service \(or selector\) is required"):
+        load_settings(p, environ={})

@@ -18,8 +18,13 @@ def ep(addr, pod=None, **cond):
     return e
 
 
-def sl(name, endpoints, ports=HTTP_STATE, family="IPv4"):
-    return {"metadata": {"name": name}, "addressType": family, "ports": ports, "endpoints": endpoints}
+def sl(name, endpoints, ports=HTTP_STATE, family="IPv4", labels=None):
+    meta = {"name": name} if labels is None else {"name": name, "labels": labels}
+    return {"metadata": meta, "addressType": family, "ports": ports, "endpoints": endpoints}
+
+
+GROUP = "phasewise.io/engine-group"
+MIXED = {"profile_label": GROUP, "profiles": {"a100": "llama3.1-8b-a100", "h100": "/etc/routerd/profile-h100.yaml"}}
 
 
 CASES = {
@@ -88,6 +93,18 @@ CASES = {
          E("b", "http://10.0.0.2:8080", None, True)]),
     "a pod in two slices is kept once, from the first slice by name": (
         [sl("s2", [ep("10.0.0.1", "a", ready=False)]), sl("s1", [ep("10.0.0.1", "a", ready=True)])], {},
+        [E("a", "http://10.0.0.1:8000", "10.0.0.1:50051", True)]),
+    "each slice's group label picks its endpoints' profile": (
+        [sl("g-a", [ep("10.0.0.1", "a")], labels={GROUP: "a100"}),
+         sl("g-h", [ep("10.0.0.2", "h")], labels={GROUP: "h100", "other": "x"})], MIXED,
+        [E("a", "http://10.0.0.1:8000", "10.0.0.1:50051", True, profile="llama3.1-8b-a100"),
+         E("h", "http://10.0.0.2:8000", "10.0.0.2:50051", True, profile="/etc/routerd/profile-h100.yaml")]),
+    "a slice without the label, or with a value not listed, keeps routerd's profile": (
+        [sl("g-x", [ep("10.0.0.1", "a")], labels={GROUP: "v100"}), sl("plain", [ep("10.0.0.2", "b")])], MIXED,
+        [E("a", "http://10.0.0.1:8000", "10.0.0.1:50051", True),
+         E("b", "http://10.0.0.2:8000", "10.0.0.2:50051", True)]),
+    "labels are read only with a profile_label": (
+        [sl("g-a", [ep("10.0.0.1", "a")], labels={GROUP: "a100"})], {"profiles": MIXED["profiles"]},
         [E("a", "http://10.0.0.1:8000", "10.0.0.1:50051", True)]),
     "dual stack: the IPv4 copy wins": (
         [sl("a-v6", [ep("fd00::1", "a")], family="IPv6"), sl("z-v4", [ep("10.0.0.1", "a")])], {},

@@ -784,3 +784,115 @@ def test_emulator_precise_args_parse_with_phasewise_emulate(tmp_path):
     args = parser.parse_args(["emulate", *[str(prof) if a == B.PROFILE_FILE else a for a in emu["args"]]])
     s = settings_from_args(args, environ={})
     assert s.port == 8000 and s.model == "m"
+
+
+# ---------------------------------------------------------------- engine groups with their own profile (mixed GPUs)
+
+MIXED_SPEC = {"emulated": True, "engine": {"replicas": 2}, "hardwareProfile": {"name": "llama3.1-8b-h100"},
+              "engineGroups": [
+                  {"name": "h100", "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}},
+                  {"name": "a100", "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "replicas": 1,
+                   "hardwareProfile": {"name": "llama3.1-8b-a100"}},
+                  {"name": "slow", "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "replicas": 1,
+                   "hardwareProfile": {"inline": {"basedOn": "llama3.1-8b-a100", "grad1": 0.0002,
+                                                  "grad2": 0.00002, "overheadS": 0.02,
+                                                  "kvCapacityTokens": 262144}}}]}
+
+
+def _slices_of(svc: dict, pods: list[tuple[str, str]]) -> dict:
+    """The EndpointSlice the API server's controller makes for ``svc``: its labels copied, plus
+    ``kubernetes.io/service-name`` (k8s.io/endpointslice, setEndpointSliceLabels)."""
+    name = svc["metadata"]["name"]
+    return {"metadata": {"name": f"{name}-x7k2p", "labels": {**svc["metadata"]["labels"],
+                                                            "kubernetes.io/service-name": name}},
+            "addressType": "IPv4",
+            "ports": [{"name": p["name"], "port": p["port"]} for p in svc["spec"]["ports"]],
+            "endpoints": [{"addresses": [ip], "targetRef": {"kind": "Pod", "name": pod},
+                           "conditions": {"ready": True}} for pod, ip in pods]}
+
+
+def test_groups_with_their_own_profile_get_a_service_each_and_routerd_each_endpoints_profile(tmp_path):
+    from routerd.daemon.endpointslices import endpoints_from_slices
+    from routerd.profiles import get_profile
+
+    kids = _children(MIXED_SPEC)
+    svcs = {g: kids[("Service", f"chat-engine-{g}")] for g in ("h100", "a100", "slow")}
+    main = kids[("Service", "chat-engine")]
+    for g, svc in svcs.items():
+        labels = svc["metadata"]["labels"]
+        assert labels["phasewise.io/engine-group"] == g and labels["app.kubernetes.io/component"] == "engine-group"
+        assert svc["spec"]["selector"] == kids[("Deployment", f"chat-engine-{g}")]["spec"]["selector"]["matchLabels"]
+        assert svc["spec"]["ports"] == main["spec"]["ports"] and svc["spec"]["clusterIP"] == "None"
+        assert svc["metadata"]["ownerReferences"][0]["uid"] == POOL.uid
+    cm = kids[("ConfigMap", "chat-routerd")]
+    assert sorted(cm["data"]) == ["profile-a100.yaml", "profile-slow.yaml", "profile.yaml", "routerd.yaml"]
+    # The emulators run at their group's profile, from the file mounted beside the pool's.
+    for g, want in (("h100", "/etc/phasewise/profile.yaml"), ("a100", "/etc/phasewise/profile-a100.yaml"),
+                    ("slow", "/etc/phasewise/profile-slow.yaml")):
+        dep = kids[("Deployment", f"chat-engine-{g}")]
+        args = _container(dep, "emulator")["args"]
+        assert args[args.index("--profile") + 1] == want
+        items = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")["configMap"]["items"]
+        assert want.rsplit("/", 1)[1] in [i["path"] for i in items]
+    router_items = next(v for v in kids[("Deployment", "chat-routerd")]["spec"]["template"]["spec"]["volumes"]
+                        if v["name"] == "config")["configMap"]["items"]
+    assert {"profile-a100.yaml", "profile-slow.yaml"} <= {i["path"] for i in router_items}
+
+    # routerd: the files as the pod sees them (here under tmp_path), its settings accepted with them...
+    for key, text in cm["data"].items():
+        (tmp_path / key).write_text(text)
+    text = cm["data"]["routerd.yaml"].replace("/etc/phasewise/", f"{tmp_path}/")
+    (tmp_path / "routerd.yaml").write_text(text)
+    from routerd.daemon.config import load_settings
+
+    s = load_settings(tmp_path / "routerd.yaml", environ={})
+    k = s.kubernetes
+    assert k.selector == "phasewise.io/pool=chat,app.kubernetes.io/component=engine-group"
+    assert k.profile_label == "phasewise.io/engine-group"
+    assert k.profiles == {"a100": f"{tmp_path}/profile-a100.yaml", "slow": f"{tmp_path}/profile-slow.yaml"}
+    # ...the selector picks exactly the group Services' slices (not the main one's)...
+    want = dict(kv.split("=") for kv in k.selector.split(","))
+    slices = [_slices_of(svcs["h100"], [("h100-0", "10.0.0.1"), ("h100-1", "10.0.0.2")]),
+              _slices_of(svcs["a100"], [("a100-0", "10.0.0.3")]),
+              _slices_of(svcs["slow"], [("slow-0", "10.0.0.4")]),
+              _slices_of(main, [(p, ip) for p, ip in (("h100-0", "10.0.0.1"), ("a100-0", "10.0.0.3"))])]
+    picked = [sl for sl in slices if all(sl["metadata"]["labels"].get(a) == b for a, b in want.items())]
+    assert len(picked) == 3
+    # ...and each endpoint gets its group's profile (the h100 group: routerd's own).
+    eps = {e.name: e.profile for e in endpoints_from_slices(picked, profile_label=k.profile_label, profiles=k.profiles)}
+    assert eps == {"h100-0": None, "h100-1": None, "a100-0": k.profiles["a100"], "slow-0": k.profiles["slow"]}
+    assert get_profile(eps["a100-0"]).model_dump() == get_profile("llama3.1-8b-a100").model_dump()
+    slow = get_profile(eps["slow-0"])
+    assert (slow.kv_capacity_tokens, slow.overhead_s) == (262144, 0.02)
+    assert slow.block_size == get_profile("llama3.1-8b-a100").block_size
+
+
+def test_a_group_profile_of_another_model_is_refused_naming_the_group():
+    bad = copy.deepcopy(MIXED_SPEC)
+    bad["engineGroups"][1]["hardwareProfile"] = {"name": "llama2-7b-v100"}
+    with pytest.raises(SpecError) as e:
+        check_pool(parse_pool_spec(bad))
+    assert e.value.field == "spec.engineGroups[1].hardwareProfile"
+    assert "different models" in str(e.value)
+    bad["engineGroups"][1]["hardwareProfile"] = {"inline": {"basedOn": "llama3.1-8b-a100", "grad1": 1, "grad2": 1,
+                                                            "overheadS": 0, "kvCapacityTokens": 100}}
+    with pytest.raises(SpecError) as e:
+        _children(bad)
+    assert e.value.field.startswith("spec.engineGroups[1].hardwareProfile.inline")
+
+
+def test_without_group_profiles_no_group_service_and_stale_ones_are_named():
+    kids = _children(GROUPS_SPEC)
+    assert not [k for k in kids if k[0] == "Service" and k[1].startswith("chat-engine-")]
+    k = yaml.safe_load(kids[("ConfigMap", "chat-routerd")]["data"]["routerd.yaml"])["kubernetes"]
+    assert "selector" not in k and "profiles" not in k and k["service"] == "chat-engine"
+
+    def svc(name, uid=POOL.uid, component="engine-group"):
+        return {"metadata": {"name": name, "labels": {"app.kubernetes.io/component": component},
+                             "ownerReferences": [{"controller": True, "uid": uid}]}}
+
+    observed = [svc("chat-engine-a100"), svc("chat-engine-gone"), svc("chat-engine-other", uid="x"),
+                svc("chat-engine", component="engine")]
+    assert B.stale_group_services(POOL, parse_pool_spec(MIXED_SPEC), observed) == ["chat-engine-gone"]
+    assert B.stale_group_services(POOL, parse_pool_spec(GROUPS_SPEC), observed) == ["chat-engine-a100",
+                                                                                    "chat-engine-gone"]

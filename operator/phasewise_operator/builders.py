@@ -57,7 +57,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -267,7 +267,9 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
     """routerd's settings for the pool: what :class:`routerd.daemon.config.Settings` validates.
 
     Endpoints come from the EndpointSlices of the engine Service (ports ``http`` and
-    ``state``), which selects the pods of every engine group; ``models`` lists each
+    ``state``), which selects the pods of every engine group, or, when a group sets its own
+    profile, from those of the per-group Services (:func:`group_services`), each endpoint with
+    its group's profile (``kubernetes.selector``, ``profile_label``, ``profiles``); ``models`` lists each
     group's served name once, in spec order; the profile is a shipped name or :data:`PROFILE_FILE`; policy ``dqn``
     loads its checkpoint from :data:`CHECKPOINT_DIR`; the predictor is ``predictor.name``
     (``none`` turns it off), the volume's folder under :data:`PREDICTOR_DIR`, or, when
@@ -297,6 +299,12 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
                   "http_port_name": "http", "state_port_name": "state"}
     if spec.routing.precise_prefix:
         kubernetes["kv_events_port_name"] = KV_EVENTS_PORT_NAME
+    if spec.mixed_profiles:
+        # Each group's own Service (group_services): its slices carry the group label, and the
+        # group its profile; groups without one keep the pool's.
+        kubernetes["selector"] = f"{LABEL_POOL}={pool.name},{LABEL_COMPONENT}={GROUP_SERVICE_COMPONENT}"
+        kubernetes["profile_label"] = LABEL_ENGINE_GROUP
+        kubernetes["profiles"] = {g.name: group_profile_file(g) for g in own_profile_groups(spec)}
     out = {
         "http": {"host": "0.0.0.0", "port": ROUTERD_HTTP_PORT},
         "grpc": {"host": "0.0.0.0", "port": ROUTERD_GRPC_PORT},
@@ -410,10 +418,31 @@ def restart_hash(settings: Mapping[str, Any]) -> str:
     return short_hash({k: settings.get(k) for k in RESTART_KEYS})
 
 
-def profile_yaml(pool: PoolRef, spec: PoolSpec) -> str:
-    """The pool's resolved hardware profile as a routerd profile file (snake_case, ``load_profile_file``)."""
-    prof = resolve_profile(spec, pool_name=pool.name)
+def profile_yaml(pool: PoolRef, spec: PoolSpec, group: EngineGroup | None = None) -> str:
+    """The pool's resolved hardware profile (``group``'s own, when it sets one) as a routerd profile
+    file (snake_case, ``load_profile_file``)."""
+    prof = resolve_profile(spec, pool_name=pool.name, group=group)
     return yaml.safe_dump(prof.model_dump(), sort_keys=False)
+
+
+#: Component label of the per-group engine Services of a mixed-profile pool (not ``engine``: the
+#: ServiceMonitor scrapes ``engine`` Services, and would scrape every instance twice).
+GROUP_SERVICE_COMPONENT = "engine-group"
+
+
+def group_profile_key(group: str) -> str:
+    """ConfigMap key (and file name under :data:`CONFIG_DIR`) of engine group ``group``'s own profile."""
+    return f"profile-{group}.yaml"
+
+
+def own_profile_groups(spec: PoolSpec) -> list[EngineGroup]:
+    """The engine groups that set their own ``hardwareProfile``, in spec order."""
+    return [g for g in spec.groups() if g.hardware_profile is not None]
+
+
+def group_profile_file(g: EngineGroup) -> str:
+    """Where routerd and ``g``'s emulators read ``g``'s profile: its own file, else :data:`PROFILE_FILE`."""
+    return f"{CONFIG_DIR}/{group_profile_key(g.name)}" if g.hardware_profile is not None else PROFILE_FILE
 
 
 # ---------------------------------------------------------------- ConfigMap
@@ -422,6 +451,8 @@ def routerd_configmap(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint |
     """``P-routerd``: routerd.yaml, profile.yaml (always: the emulators read it too) and the checkpoint."""
     settings = routerd_settings(pool, spec, checkpoint=checkpoint)
     data = {KEY_CONFIG: render_settings(settings, checkpoint), KEY_PROFILE: profile_yaml(pool, spec)}
+    for g in own_profile_groups(spec):
+        data[group_profile_key(g.name)] = profile_yaml(pool, spec, g)
     cm: dict[str, Any] = {"apiVersion": "v1", "kind": "ConfigMap",
                           "metadata": _meta(pool, routerd_name(pool.name), "routerd"), "data": data}
     if checkpoint is not None:
@@ -430,8 +461,8 @@ def routerd_configmap(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint |
     return cm
 
 
-def _config_volume(with_checkpoint: bool, only_profile: bool = False) -> dict[str, Any]:
-    items = [{"key": KEY_PROFILE, "path": KEY_PROFILE}]
+def _config_volume(with_checkpoint: bool, only_profile: bool = False, profile_keys: Sequence[str] = ()) -> dict[str, Any]:
+    items = [{"key": KEY_PROFILE, "path": KEY_PROFILE}, *({"key": k, "path": k} for k in profile_keys)]
     if not only_profile:
         items.insert(0, {"key": KEY_CONFIG, "path": KEY_CONFIG})
         if with_checkpoint:
@@ -513,7 +544,7 @@ def vllm_container(spec: PoolSpec, settings: OperatorSettings, group: EngineGrou
 def emulator_container(spec: PoolSpec, settings: OperatorSettings,
                        group: EngineGroup | None = None) -> dict[str, Any]:
     """``phasewise emulate``: the OpenAI API (serving the group's model name) and vLLM-named /metrics,
-    timed by the pool's profile; with prefix mode precise, its KV events as vLLM's (the same
+    timed by the group's own profile or else the pool's; with prefix mode precise, its KV events as vLLM's (the same
     ``--kv-events-config`` and ``kv-events`` port as :func:`vllm_container`)."""
     e = spec.engine
     g = _group(spec, group)
@@ -524,7 +555,7 @@ def emulator_container(spec: PoolSpec, settings: OperatorSettings,
         "image": spec.routerd.image or settings.routerd_image,
         "imagePullPolicy": spec.routerd.image_pull_policy or settings.image_pull_policy,
         "command": ["phasewise", "emulate"],
-        "args": ["--host", "0.0.0.0", "--port", str(e.port), "--profile", PROFILE_FILE,
+        "args": ["--host", "0.0.0.0", "--port", str(e.port), "--profile", group_profile_file(g),
                  "--model", g.model.served, *kv_args],
         "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}, *kv_ports],
         "env": _merge_env({"HOME": "/tmp"}, g.env),
@@ -574,11 +605,12 @@ def engine_deployment(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings,
     annotations: dict[str, str] = {}
     if spec.emulated:
         main = emulator_container(spec, settings, g)
-        vol = _config_volume(False, only_profile=True)
+        own = [group_profile_key(g.name)] if g.hardware_profile is not None else []
+        vol = _config_volume(False, only_profile=True, profile_keys=own)
         vol["configMap"]["name"] = routerd_name(pool.name)
         volumes.append(vol)
-        # The emulated hardware is the pool's profile: a new profile restarts the emulators.
-        annotations[ANNOTATION_PROFILE_HASH] = short_hash(profile_yaml(pool, spec))
+        # The emulated hardware is the group's profile: a new profile restarts the emulators.
+        annotations[ANNOTATION_PROFILE_HASH] = short_hash(profile_yaml(pool, spec, g))
     else:
         main = vllm_container(spec, settings, g)
         volumes += [{"name": "cache", "emptyDir": {}},
@@ -667,6 +699,52 @@ def stale_engine_deployments(pool: PoolRef, spec: PoolSpec, observed: list[Mappi
 def engine_service(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
     """``P-engine``: headless; its EndpointSlices list every instance of every group with ports ``http`` and
     ``state`` (the selector leaves the group out), and ``kv-events`` with prefix mode precise."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(pool, engine_name(pool.name), "engine"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(pool.name, "engine"),
+            "publishNotReadyAddresses": False,
+            "ports": _engine_ports(spec),
+        },
+    }
+
+
+def group_services(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
+    """With a group that sets its own profile (``spec.mixed_profiles``): ``P-engine-G`` per group,
+    headless, selecting that group's pods, labelled with :data:`LABEL_ENGINE_GROUP` and component
+    :data:`GROUP_SERVICE_COMPONENT`. The API server copies a Service's labels to its EndpointSlices,
+    so routerd watches these slices by label and learns each endpoint's group, and so its profile
+    (:func:`routerd_settings`). Empty otherwise (the pool renders as before the field existed)."""
+    if not spec.mixed_profiles:
+        return []
+    out = []
+    for g in spec.groups():
+        meta = _meta(pool, engine_group_name(pool.name, g.name), GROUP_SERVICE_COMPONENT)
+        meta["labels"][LABEL_ENGINE_GROUP] = g.name
+        out.append({"apiVersion": "v1", "kind": "Service", "metadata": meta,
+                    "spec": {"clusterIP": "None", "selector": engine_selector(pool.name, g.name),
+                             "publishNotReadyAddresses": False, "ports": _engine_ports(spec)}})
+    return out
+
+
+def stale_group_services(pool: PoolRef, spec: PoolSpec | None, observed: list[Mapping[str, Any]]) -> list[str]:
+    """Names of the observed per-group engine Services the pool owns but no longer wants (a group
+    removed, or no group with its own profile any more)."""
+    wanted = {o["metadata"]["name"] for o in group_services(pool, spec)} if spec is not None else set()
+    out = []
+    for svc in observed:
+        meta = svc.get("metadata") or {}
+        owned = any(r.get("controller") and r.get("uid") == pool.uid for r in meta.get("ownerReferences") or [])
+        if owned and (meta.get("labels") or {}).get(LABEL_COMPONENT) == GROUP_SERVICE_COMPONENT \
+                and meta.get("name") not in wanted:
+            out.append(meta["name"])
+    return sorted(out)
+
+
+def _engine_ports(spec: PoolSpec) -> list[dict[str, Any]]:
     ports = [
         {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP",
          "appProtocol": "http"},
@@ -676,17 +754,7 @@ def engine_service(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
     if spec.routing.precise_prefix:
         ports.append({"name": KV_EVENTS_PORT_NAME, "port": spec.routing.kv_events_port,
                       "targetPort": KV_EVENTS_PORT_NAME, "protocol": "TCP"})
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(pool, engine_name(pool.name), "engine"),
-        "spec": {
-            "clusterIP": "None",
-            "selector": selector(pool.name, "engine"),
-            "publishNotReadyAddresses": False,
-            "ports": ports,
-        },
-    }
+    return ports
 
 
 # ---------------------------------------------------------------- routerd
@@ -709,7 +777,7 @@ def routerd_rbac(pool: PoolRef) -> list[dict[str, Any]]:
 def _router_volumes(pool: PoolRef, spec: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, mounts) of the router's process (routerd or the picker): routerd's ConfigMap, a
     writable /tmp and, when the pool names one, the predictor's PersistentVolumeClaim."""
-    vol = _config_volume(True)
+    vol = _config_volume(True, profile_keys=[group_profile_key(g.name) for g in own_profile_groups(spec)])
     vol["configMap"]["name"] = routerd_name(pool.name)
     volumes: list[dict[str, Any]] = [vol, {"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, {"name": "tmp", "mountPath": "/tmp"}]
@@ -1043,6 +1111,7 @@ def pool_children(pool: PoolRef, spec: PoolSpec, settings: OperatorSettings, *,
         *routerd_rbac(pool),
         routerd_configmap(pool, spec, checkpoint=checkpoint),
         engine_service(pool, spec),
+        *group_services(pool, spec),
         *engine_deployments(pool, spec, settings),
         routerd_service(pool, spec),
         routerd_deployment(pool, spec, settings, checkpoint=checkpoint),

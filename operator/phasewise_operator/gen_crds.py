@@ -14,6 +14,7 @@ Cross-field rules are CEL (``x-kubernetes-validations``); each names its field w
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -559,6 +560,11 @@ def pool_spec_schema() -> dict[str, Any]:
         "affinity": {**_AFFINITY, "description": "Affinity of this group's pods (default: spec.engine.affinity)."},
         "topologySpreadConstraints": {**_TOPOLOGY_SPREAD, "description": "Topology spread constraints of this "
                                       "group's pods (default: spec.engine.topologySpreadConstraints)."},
+        "hardwareProfile": {**{k: copy.deepcopy(v) for k, v in profile.items() if k != "default"},
+                            "description": "This group's hardware profile (its GPU type), of the pool profile's "
+                            "model and block size (default: spec.hardwareProfile). With one set, every group "
+                            "gets its own Service <pool>-engine-<name>, routerd learns each instance's profile "
+                            "from it (a mixed-GPU pool), and an emulated group runs at its profile's speed."},
     }, required=["name", "model"])
     return _o("Desired state of the pool. Set exactly one of model (one model) and engineGroups (several).", {
         "model": model("The model every instance serves (a single-model pool; exclusive with engineGroups)."),

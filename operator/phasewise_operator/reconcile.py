@@ -149,11 +149,16 @@ class Controller:
 
     def _prune_optional(self, pool: PoolRef, spec, outcome: Outcome) -> status.Problem | None:
         """Delete the optional children the spec no longer wants (picker, its Envoy ConfigMap, the
-        InferencePool, budgets), where they exist and this pool is their controller."""
+        InferencePool, budgets, per-group engine Services), where they exist and this pool is their
+        controller."""
         targets = list(builders.optional_children(pool, spec))
         pdbs = self.kube.list("policy/v1", "PodDisruptionBudget", pool.namespace,
                               label_selector=f"{builders.LABEL_POOL}={pool.name},{builders.LABEL_COMPONENT}=engine")
         targets += [("policy/v1", "PodDisruptionBudget", n) for n in builders.stale_engine_budgets(pool, spec, pdbs)]
+        services = self.kube.list("v1", "Service", pool.namespace,
+                                  label_selector=f"{builders.LABEL_POOL}={pool.name},"
+                                                 f"{builders.LABEL_COMPONENT}={builders.GROUP_SERVICE_COMPONENT}")
+        targets += [("v1", "Service", n) for n in builders.stale_group_services(pool, spec, services)]
         for api_version, kind, name in targets:
             try:
                 obj = self.kube.get(api_version, kind, pool.namespace, name)

@@ -399,6 +399,11 @@ class EngineGroupSpec(_Spec):
     """Affinity; None = ``spec.engine.affinity``."""
     topology_spread_constraints: list[TopologySpread] | None = None
     """Topology spread constraints; None = ``spec.engine.topologySpreadConstraints``."""
+    hardware_profile: HardwareProfileRef | None = None
+    """This group's hardware profile (its GPU type: a mixed-GPU pool gives each group its own),
+    by name or inline, of the pool profile's model and block size; None = ``spec.hardwareProfile``.
+    routerd learns each endpoint's profile from its group (one Service per group), and an
+    emulated group runs at its own profile's speed."""
 
     @field_validator("name")
     @classmethod
@@ -431,6 +436,8 @@ class EngineGroup:
     tolerations: list[Toleration]
     affinity: dict[str, Any] | None = None
     topology_spread_constraints: tuple[TopologySpread, ...] = ()
+    hardware_profile: HardwareProfileRef | None = None
+    """The group's own profile; None = the pool's ``spec.hardwareProfile``."""
 
     def field(self, name: str) -> str:
         """The spec path a user sets ``name`` (camelCase) at for this group, e.g.
@@ -508,8 +515,15 @@ class PoolSpec(_Spec):
                             list(pick(g.env, e.env)), pick(g.resources, e.resources),
                             dict(pick(g.node_selector, e.node_selector)), list(pick(g.tolerations, e.tolerations)),
                             pick(g.affinity, e.affinity),
-                            tuple(pick(g.topology_spread_constraints, e.topology_spread_constraints)))
+                            tuple(pick(g.topology_spread_constraints, e.topology_spread_constraints)),
+                            g.hardware_profile)
                 for i, g in enumerate(self.engine_groups)]
+
+    @property
+    def mixed_profiles(self) -> bool:
+        """Whether an engine group sets its own ``hardwareProfile`` (then each group gets its own
+        Service, and routerd each endpoint's profile from it)."""
+        return any(g.hardware_profile is not None for g in self.engine_groups or ())
 
     def served_models(self) -> list[str]:
         """The names clients may send as ``model``: each group's served name, in spec order, once each."""
@@ -720,6 +734,18 @@ def check_pool(spec: PoolSpec) -> None:
         raise SpecError("spec.engine.resources", "an emulated pool must not request nvidia.com/gpu")
     if spec.emulated and spec.engine.args:
         raise SpecError("spec.engine.args", "engine.args are vLLM arguments; an emulated pool must not set them")
+    if spec.mixed_profiles:
+        from routerd.profiles import PoolError, check_pool as check_profiles
+
+        for g in spec.groups():
+            if g.hardware_profile is None:
+                continue
+            own = resolve_profile(spec, pool_name="check", group=g)
+            try:
+                check_profiles([profile, own])  # one model, one block size: routerd refuses others
+            except PoolError as e:
+                raise SpecError(g.field("hardwareProfile"), f"{e} (the pool's spec.hardwareProfile is "
+                                f"{profile.name!r}; every group serves its model with its block size)") from None
     for i, g in enumerate(spec.engine_groups or []):
         where = f"spec.engineGroups[{i}]"
         if spec.emulated and g.resources is not None and g.resources.requests_gpu():
@@ -741,18 +767,24 @@ def check_pool(spec: PoolSpec) -> None:
                                 "routing.prefix.mode precise; give its port and topic in spec.routing.prefix.kvEvents")
 
 
-def resolve_profile(spec: PoolSpec, *, pool_name: str):
-    """The pool's :class:`routerd.profiles.HardwareProfile`: a shipped one, or ``basedOn`` with the inline terms over it.
+def resolve_profile(spec: PoolSpec, *, pool_name: str, group: EngineGroup | None = None):
+    """The pool's :class:`routerd.profiles.HardwareProfile` (or ``group``'s own, when it sets one): a
+    shipped one, or ``basedOn`` with the inline terms over it.
 
     Raises:
         SpecError: an unknown profile name, or a merged inline profile routerd rejects
-            (the message names the inline field, e.g. ``spec.hardwareProfile.inline.kvCapacityTokens``).
+            (the message names the inline field, e.g. ``spec.hardwareProfile.inline.kvCapacityTokens``,
+            or ``spec.engineGroups[1].hardwareProfile.name`` for a group's).
     """
-    from routerd.profiles import HardwareProfile, ProfileError, get_profile, profile_names
+    from routerd.profiles import HardwareProfile, ProfileError, get_profile, profile_model, profile_names
 
     ref = spec.hardware_profile
+    at = "spec.hardwareProfile"
+    if group is not None and group.hardware_profile is not None:
+        ref, at = group.hardware_profile, group.field("hardwareProfile")
+        pool_name = f"{pool_name}-{group.name}"
     base_name = ref.name if ref.name is not None else ref.inline.based_on  # type: ignore[union-attr]
-    field = "spec.hardwareProfile.name" if ref.name is not None else "spec.hardwareProfile.inline.basedOn"
+    field = f"{at}.name" if ref.name is not None else f"{at}.inline.basedOn"
     if base_name not in profile_names():
         raise SpecError(field, f"unknown profile {base_name!r}; valid: {', '.join(profile_names())}")
     try:
@@ -765,6 +797,7 @@ def resolve_profile(spec: PoolSpec, *, pool_name: str):
     data = base.model_dump()
     data.update(inline.terms())
     data["name"] = f"{pool_name}-inline"
+    data["model"] = profile_model(base)  # its name no longer says the model (check_pool compares them)
     data["description"] = inline.description or f"inline profile of pool {pool_name}, based on {base_name}"
     data["sources"] = {}
     try:
@@ -775,7 +808,7 @@ def resolve_profile(spec: PoolSpec, *, pool_name: str):
         loc = [str(x) for x in err["loc"]]
         # A cross-field limit has no location: name the first term its message mentions.
         terms = loc[:1] or _terms_in(msg)[:1]
-        where = "spec.hardwareProfile.inline" + ("." + to_camel(terms[0]) if terms else "")
+        where = f"{at}.inline" + ("." + to_camel(terms[0]) if terms else "")
         raise SpecError(where, _camelize(msg)) from None
 
 

@@ -491,6 +491,57 @@ def test_engine_groups_get_a_deployment_each_and_a_removed_one_goes(k8s, kube, o
     assert yaml.safe_load(cm["data"]["routerd.yaml"])["models"] == ["model-a"]
 
 
+def test_groups_with_their_own_profile_reach_routerd_through_their_services_slices(
+        k8s, kube, operator, namespace, kcm, k8s_client):
+    # A mixed-GPU pool: group a on the pool's H100 profile, group b on A100. Each group gets a
+    # Service; the EndpointSlice controller copies its labels onto the slices, and routerd's own
+    # watcher, with the settings the operator rendered, gives each pod its group's profile.
+    from routerd.daemon.config import Settings
+    from routerd.daemon.endpointslices import EndpointSliceWatcher
+
+    groups = [{"name": "a", "model": {"name": "llama-3.1-8b"}, "replicas": 2},
+              {"name": "b", "model": {"name": "llama-3.1-8b"}, "replicas": 1,
+               "hardwareProfile": {"name": "llama3.1-8b-a100"}}]
+    apply(k8s, namespace, groups_pool_yaml("mx", groups, engine={"replicas": 1},
+                                           hardwareProfile={"name": "llama3.1-8b-h100"}))
+    wait_for(lambda: (pool(kube, namespace, "mx").get("status") or {}).get("observedGeneration") == 1,
+             what="pool mx's first status write")
+    kids = children(kube, namespace, "mx")
+    assert {("Service", "mx-engine-a"), ("Service", "mx-engine-b")} <= set(kids)
+    cm = kids[("ConfigMap", "mx-routerd")]
+    assert "profile-b.yaml" in cm["data"]
+    settings = Settings.model_validate(yaml.safe_load(cm["data"]["routerd.yaml"]))
+    k = settings.kubernetes
+    assert k.profiles == {"b": "/etc/phasewise/profile-b.yaml"}
+    wait_for(lambda: len(kube.list("v1", "Pod", namespace, label_selector="phasewise.io/pool=mx")) >= 4,
+             timeout=60, what="2 + 1 engine pods and a routerd pod")
+    pods = make_pods_ready(kube, namespace, "phasewise.io/pool=mx,app.kubernetes.io/component=engine")
+    seen: list = []
+    w = EndpointSliceWatcher(namespace, k.service or "", seen.append, api_client=k8s_client,
+                             selector=k.selector, profile_label=k.profile_label, profiles=k.profiles,
+                             backoff_initial_s=0.2, backoff_max_s=1.0)
+    w.start()
+    try:
+        assert w.wait_synced(15)
+        eps = wait_for(lambda: (lambda e: e if len(e) == 3 and all(x.ready for x in e) else None)(w.endpoints),
+                       timeout=60, what="3 ready endpoints from the group Services' EndpointSlices")
+    finally:
+        w.stop()
+    by_group = {p: ("b" if "-engine-b-" in p else "a") for p in pods}
+    assert {e.name: e.profile for e in eps} == {
+        p: ("/etc/phasewise/profile-b.yaml" if g == "b" else None) for p, g in by_group.items()}
+    # No group with its own profile any more: the group Services go, routerd watches P-engine again.
+    groups[1].pop("hardwareProfile")
+    apply(k8s, namespace, groups_pool_yaml("mx", groups, engine={"replicas": 1},
+                                           hardwareProfile={"name": "llama3.1-8b-h100"}))
+    wait_for(lambda: kube.get("v1", "Service", namespace, "mx-engine-b") is None
+             and kube.get("v1", "Service", namespace, "mx-engine-a") is None,
+             what="the group Services deleted once no group sets a profile")
+    cm = kube.get("v1", "ConfigMap", namespace, "mx-routerd")
+    assert "selector" not in yaml.safe_load(cm["data"]["routerd.yaml"])["kubernetes"]
+    assert "profile-b.yaml" not in cm["data"]
+
+
 def test_restart_adopts_and_duplicates_nothing(k8s, kube, operator, namespace):
     apply(k8s, namespace, pool_yaml("keep", engine={"replicas": 2}))
     wait_for(lambda: (pool(kube, namespace, "keep").get("status") or {}).get("observedGeneration") == 1,

@@ -599,7 +599,8 @@ class Daemon:
         watcher = EndpointSliceWatcher(namespace, k.service or "", self.endpoints_callback,
                                        http_port_name=k.http_port_name, state_port_name=k.state_port_name,
                                        kv_events_port_name=k.kv_events_port_name,
-                                       on_skip=lambda _why: self.metrics.endpointslice_skipped.inc())
+                                       on_skip=lambda _why: self.metrics.endpointslice_skipped.inc(),
+                                       selector=k.selector, profile_label=k.profile_label, profiles=k.profiles)
         try:
             watcher.start()
         except Exception as e:  # noqa: BLE001 - no in-cluster credentials nor kubeconfig, typically

@@ -224,11 +224,25 @@ class KubernetesConfig(_Model):
     kv_events_port_name: str = "kv-events"
     """Name of the Service port of vLLM's KV-event publisher (ZMQ); absent = the pod's address
     with ``prefix.kv_events.port``. Read in ``prefix.mode: precise``."""
+    selector: str | None = None
+    """Label selector of the EndpointSlices to watch instead of ``service``'s own
+    (``kubernetes.io/service-name=<service>``), e.g. the slices of one Service per engine group:
+    ``phasewise.io/pool=chat,phasewise.io/engine-group``. A Service's labels are copied to its
+    EndpointSlices, so a selector on Service labels selects their slices."""
+    profile_label: str | None = None
+    """EndpointSlice label whose value picks each endpoint's hardware profile from ``profiles``
+    (the operator's ``phasewise.io/engine-group``: one Service per group, mixed-GPU pools)."""
+    profiles: dict[str, str] = Field(default_factory=dict)
+    """Hardware profile (a name or YAML path) by the value of ``profile_label`` on the endpoint's
+    EndpointSlice; an endpoint whose slice has no such label or value uses ``profile``. Each must
+    be of ``profile``'s model and block size (``routerd.profiles.check_pool``)."""
 
     @model_validator(mode="after")
     def _service(self) -> "KubernetesConfig":
-        if self.enabled and not self.service:
-            raise ValueError("service is required when kubernetes discovery is enabled")
+        if self.enabled and not (self.service or self.selector):
+            raise ValueError("service (or selector) is required when kubernetes discovery is enabled")
+        if self.profiles and not self.profile_label:
+            raise ValueError("profiles needs profile_label: the EndpointSlice label whose value names the entry")
         return self
 
 
@@ -696,7 +710,8 @@ def load_settings(
                 elif isinstance(name, str):
                     seen[name] = i
         for loc, msg in profile_checks(data.get("profile", Settings.model_fields["profile"].default),
-                                       data.get("prefix"), _endpoint_profiles(data.get("endpoints"))):
+                                       data.get("prefix"), _endpoint_profiles(data.get("endpoints")),
+                                       _slice_profiles(data.get("kubernetes"))):
             line = f"{_source_of(loc, path, env_data, overrides, override_flags)}: {format_loc(loc)}: {msg}"
             if line not in lines:
                 lines.append(line)
@@ -707,7 +722,8 @@ def load_settings(
     # The checks that need the profile, named by where they were set (the daemon checks them again).
     found = [f"{_source_of(loc, path, env_data, overrides, override_flags)}: {format_loc(loc)}: {msg}"
              for loc, msg in profile_checks(settings.profile, settings.prefix.model_dump(),
-                                            [e.profile for e in settings.endpoints])]
+                                            [e.profile for e in settings.endpoints],
+                                            settings.kubernetes.profiles)]
     if found:
         raise ConfigError(found[0] if len(found) == 1 else
                           f"{len(found)} configuration errors:\n  " + "\n  ".join(found))
@@ -721,10 +737,19 @@ def _endpoint_profiles(endpoints: Any) -> list[Any]:
     return [e.get("profile") if isinstance(e, Mapping) else None for e in endpoints]
 
 
-def profile_checks(profile: Any, prefix: Any, endpoint_profiles: Any = ()) -> list[tuple[tuple, str]]:
+def _slice_profiles(kubernetes: Any) -> Mapping[Any, Any]:
+    """The raw ``kubernetes.profiles`` mapping (empty where absent or malformed)."""
+    profiles = kubernetes.get("profiles") if isinstance(kubernetes, Mapping) else None
+    return profiles if isinstance(profiles, Mapping) else {}
+
+
+def profile_checks(profile: Any, prefix: Any, endpoint_profiles: Any = (),
+                   slice_profiles: Mapping[Any, Any] | None = None) -> list[tuple[tuple, str]]:
     """``(field path, message)`` of each check that needs the hardware profile: ``profile`` must
     load (a known name or a readable profile YAML), and ``prefix.block_size``, when set, must equal
-    its block size (the policies count a match's cached tokens in the profile's blocks). Values of
+    its block size (the policies count a match's cached tokens in the profile's blocks); each
+    ``endpoints[i].profile`` and ``kubernetes.profiles`` value must load and be of its model and
+    block size (``routerd.profiles.check_pool``). Values of
     the wrong type are left to the field validation, which names them; so is a profile path that
     does not exist here (a file the pod mounts, checked where it runs: the daemon loads it at start
     and names it if it cannot).
@@ -749,8 +774,9 @@ def profile_checks(profile: Any, prefix: Any, endpoint_profiles: Any = ()) -> li
         out.append((("prefix", "block_size"), f"{bs} differs from the block_size {prof.block_size} of profile "
                     f"{profile!r}; the policies count cached tokens in the profile's blocks: give a profile with "
                     "vLLM's --block-size, or leave prefix.block_size unset"))
-    for i, spec in enumerate(endpoint_profiles or ()):
-        loc = ("endpoints", i, "profile")
+    own_profiles = [(("endpoints", i, "profile"), spec) for i, spec in enumerate(endpoint_profiles or ())]
+    own_profiles += [(("kubernetes", "profiles", key), spec) for key, spec in (slice_profiles or {}).items()]
+    for loc, spec in own_profiles:
         own, errs = load(spec, loc)
         out.extend(errs)
         if own is not None:

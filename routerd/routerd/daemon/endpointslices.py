@@ -72,6 +72,8 @@ def endpoints_from_slices(
     state_port_name: str | None = "state",
     kv_events_port_name: str | None = "kv-events",
     skipped: list[str] | None = None,
+    profile_label: str | None = None,
+    profiles: Mapping[str, str] | None = None,
 ) -> list[DiscoveredEndpoint]:
     """Merge EndpointSlices (API JSON, camelCase) into routerd's endpoint set, sorted by name.
 
@@ -90,6 +92,9 @@ def endpoints_from_slices(
     - ``ready`` is False when ``conditions.ready`` is False or ``conditions.terminating`` is
       True; a missing condition counts as ready / not terminating, as the API specifies.
     - ``name`` is ``targetRef.name`` (the pod), or the address when there is no targetRef.
+    - ``profile`` is ``profiles[v]`` where the slice's label ``profile_label`` has value ``v``
+      (the Service's labels are copied to its slices: one Service per engine group), else None
+      (routerd's profile).
     - An endpoint listed more than once (in two slices while the controller moves it, or
       once per address family in a dual-stack Service) is kept once: the IPv4 copy first,
       then the copy in the slice whose name sorts first, as kube-proxy does.
@@ -110,6 +115,9 @@ def endpoints_from_slices(
         kv_port = _port(ports, kv_events_port_name)
         if kv_port == http_port and (kv_events_port_name or "") != http_port_name:
             kv_port = None  # nor as the KV-event publisher
+        profile = None
+        if profile_label and profiles:
+            profile = profiles.get(((s.get("metadata") or {}).get("labels") or {}).get(profile_label))
         for ep in s.get("endpoints") or []:
             addresses = ep.get("addresses") or []
             if not addresses:
@@ -131,6 +139,7 @@ def endpoints_from_slices(
                 state_address=None if state_port is None else f"{_host(addr)}:{state_port}",
                 ready=ready,
                 kv_events=None if kv_port is None else f"tcp://{_host(addr)}:{kv_port}",
+                profile=profile,
             )
     return [out[k] for k in sorted(out)]
 
@@ -168,9 +177,19 @@ class EndpointSliceWatcher:
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         on_skip: Callable[[str], None] | None = None,
+        selector: str | None = None,
+        profile_label: str | None = None,
+        profiles: Mapping[str, str] | None = None,
     ) -> None:
         self.namespace = namespace
         self.service = service
+        self.selector = selector
+        """Label selector of the slices to watch; None: ``service``'s own."""
+        self.source = service if not selector else f"EndpointSlices[{selector}]"
+        """What the logs call the watched set."""
+        self.profile_label = profile_label
+        self.profiles = dict(profiles or {})
+        """Profile by the value of the slices' ``profile_label`` (:func:`endpoints_from_slices`)."""
         self.on_update = on_update
         self.http_port_name = http_port_name
         self.state_port_name = state_port_name
@@ -211,7 +230,7 @@ class EndpointSliceWatcher:
 
         self._api = client.DiscoveryV1Api(self._api_client)
         self._thread = threading.Thread(
-            target=self._run, name=f"endpointslices-{self.namespace}/{self.service}", daemon=True)
+            target=self._run, name=f"endpointslices-{self.namespace}/{self.source}", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -227,7 +246,7 @@ class EndpointSliceWatcher:
             t.join(0.05)
         if t.is_alive():
             log.warning("EndpointSlice watcher of %s/%s did not stop within %.0f s",
-                        self.namespace, self.service, timeout)
+                        self.namespace, self.source, timeout)
         if self._owns_client and not t.is_alive() and self._api_client is not None:
             # Its pooled TLS connections would otherwise be closed only by the garbage
             # collector, with a ResourceWarning.
@@ -263,12 +282,12 @@ class EndpointSliceWatcher:
                     backoff = self.backoff_initial_s  # it had been healthy for a while
                 delay = backoff * (0.5 + random.random())
                 log.warning("EndpointSlices of %s/%s: %s; listing again in %.1f s",
-                            self.namespace, self.service, _describe(e), delay)
+                            self.namespace, self.source, _describe(e), delay)
                 self._stop.wait(delay)
                 backoff = min(backoff * 2, self.backoff_max_s)
 
     def _selector(self) -> str:
-        return f"{SERVICE_NAME_LABEL}={self.service}"
+        return self.selector or f"{SERVICE_NAME_LABEL}={self.service}"
 
     def _list(self) -> str:
         slices: dict[str, dict] = {}
@@ -314,7 +333,7 @@ class EndpointSliceWatcher:
         # timeout_seconds bounds the watch server-side; the read timeout is a margin over it.
         timeout = int(self.watch_timeout_s * (1 + random.random() * 0.2))
         log.debug("watching EndpointSlices of %s/%s from resourceVersion %s for %d s",
-                  self.namespace, self.service, rv, timeout)
+                  self.namespace, self.source, rv, timeout)
         resp = self._api.list_namespaced_endpoint_slice(
             self.namespace, label_selector=self._selector(), resource_version=rv,
             allow_watch_bookmarks=True, timeout_seconds=timeout, watch=True,
@@ -376,17 +395,18 @@ class EndpointSliceWatcher:
         skipped: list[str] = []
         eps = tuple(endpoints_from_slices(self._slices.values(), http_port_name=self.http_port_name,
                                           state_port_name=self.state_port_name,
-                                          kv_events_port_name=self.kv_events_port_name, skipped=skipped))
+                                          kv_events_port_name=self.kv_events_port_name, skipped=skipped,
+                                          profile_label=self.profile_label, profiles=self.profiles))
         for why in skipped:
             if why not in self._skipped:  # say it once per entry, not at every slice event
-                log.warning("%s/%s: skipped: %s", self.namespace, self.service, why)
+                log.warning("%s/%s: skipped: %s", self.namespace, self.source, why)
                 if self.on_skip is not None:
                     self.on_skip(why)
         self._skipped = set(skipped)
         if eps == self._delivered:
             return
         self._delivered = eps
-        log.info("EndpointSlices of %s/%s: %d endpoints (%d ready)", self.namespace, self.service,
+        log.info("EndpointSlices of %s/%s: %d endpoints (%d ready)", self.namespace, self.source,
                  len(eps), sum(e.ready for e in eps))
         try:
             self.on_update(list(eps))
