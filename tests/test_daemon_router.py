@@ -343,3 +343,26 @@ def test_endpoints_of_mixed_gpus_get_their_own_profiles_and_predicted_latency_pr
 
     r.set_endpoints([DiscoveredEndpoint("e0", "http://127.0.0.1:9000"), DiscoveredEndpoint("e1", "http://127.0.0.1:9001")])
     assert e1.profile is a100 and e1.kv_total_blocks == a100.num_blocks and pol.ctx.profiles == (a100, a100)
+
+
+def test_an_endpoint_profile_that_cannot_be_loaded_falls_back_to_routerds_named_and_counted_once(tmp_path, caplog):
+    # A profile file that went away (a ConfigMap key removed under a running routerd): the endpoint
+    # keeps routing on routerd's own profile; said and counted once per endpoint, not per update.
+    from routerd.profiles import get_profile
+
+    a100 = get_profile("llama3.1-8b-a100")
+    pol = build_routing_policy(PolicyConfig(name="round_robin"), a100, 2)
+    m = Metrics()
+    r = Router(profile=a100, policy=pol, policy_name="round_robin", metrics=m, config=RouterConfig(),
+               state_max_age_s=2.0)
+    gone = str(tmp_path / "profile-b.yaml")
+    eps = [DiscoveredEndpoint("e0", "http://127.0.0.1:9000", profile=gone),
+           DiscoveredEndpoint("e1", "http://127.0.0.1:9001", profile=gone)]
+    with caplog.at_level("WARNING", logger="routerd"):
+        r.set_endpoints(eps)
+        r.set_endpoints(list(eps))
+        r.set_endpoints([*eps, DiscoveredEndpoint("e2", "http://127.0.0.1:9002")])
+    assert r.by_name["e0"].profile is a100 and r.by_name["e1"].profile is a100
+    assert m.profile_fallbacks._value.get() == 2  # e0 and e1, once each
+    said = [rec.getMessage() for rec in caplog.records if "cannot be loaded" in rec.getMessage()]
+    assert len(said) == 2 and all(gone in s and "using llama3.1-8b-a100" in s for s in said)

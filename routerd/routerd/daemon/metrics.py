@@ -137,6 +137,11 @@ class Metrics:
             "phasewise_endpointslice_entries_skipped",
             "EndpointSlice entries skipped because their address is not an IP address (each counted once).",
             registry=r)
+        self.profile_fallbacks = Counter(
+            "phasewise_profile_fallbacks",
+            "Endpoints whose own hardware profile (endpoints[].profile, kubernetes.profiles) could not be "
+            "loaded, so routerd's profile serves them instead (each endpoint and profile counted once).",
+            registry=r)
         self.prefix_match_blocks = Histogram(
             "phasewise_prefix_match_blocks",
             "Leading KV blocks of the request's prompt believed cached on the chosen endpoint, per policy "

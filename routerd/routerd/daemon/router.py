@@ -298,7 +298,7 @@ class Router:
         self._fallback_warned_for: int | None = None
         """Ready-endpoint count for which the policy's own fallback was last logged."""
         self._idle_waiters: list[asyncio.Future] = []
-        self._bad_profiles: set[str] = set()
+        self._bad_profiles: set[tuple[str, str]] = set()
         """Endpoint profiles that failed to load at runtime (each said once)."""
         self._cands: dict[Any, tuple[list[EndpointState], float, float]] | None = None
         """Per model: candidates without exclusions and the times between which they stay valid
@@ -528,8 +528,9 @@ class Router:
         try:
             return get_profile(d.profile)
         except ProfileError as e:
-            if d.profile not in self._bad_profiles:
-                self._bad_profiles.add(d.profile)
+            if (d.name, d.profile) not in self._bad_profiles:
+                self._bad_profiles.add((d.name, d.profile))
+                self.metrics.profile_fallbacks.inc()
                 log.warning("endpoint %s: profile %s cannot be loaded (%s); using %s", d.name, d.profile, e,
                             self.profile.name)
             return self.profile
