@@ -117,6 +117,7 @@ OPERATOR_CALLS = {
     # spec.gateway and podDisruptionBudget: optional children are applied, read back for ownership and
     # deleted when the spec drops them; the InferencePool is watched for its parents' status.
     ("", "services", "delete"), ("", "configmaps", "delete"),
+    ("", "services", "list"),  # a mixed-GPU pool's per-group engine Services, pruned by label
     ("policy", "poddisruptionbudgets", "get"), ("policy", "poddisruptionbudgets", "list"),
     ("policy", "poddisruptionbudgets", "create"), ("policy", "poddisruptionbudgets", "patch"),
     ("policy", "poddisruptionbudgets", "delete"),

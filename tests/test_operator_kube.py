@@ -32,6 +32,12 @@ def test_status_errors_keep_the_servers_message():
     assert e.causes == [{"field": "spec.template.spec.containers[0].image"}]
     assert _error(404, b"").not_found
     assert not _error(503, "<html>busy</html>").permanent
+    # Forbidden is retried: a Role granted late (or still propagating after helm install) must not
+    # leave the pool stopped until the next resync.
+    forbidden = json.dumps({"kind": "Status", "status": "Failure", "reason": "Forbidden", "code": 403,
+                            "message": 'services is forbidden: User "system:serviceaccount:p:op" cannot list '
+                                       'resource "services"'})
+    assert not _error(403, forbidden.encode()).permanent
     assert _error(503, "<html>busy</html>").message == "<html>busy</html>"
 
 

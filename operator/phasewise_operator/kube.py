@@ -60,8 +60,11 @@ class ApiError(Exception):
 
     @property
     def permanent(self) -> bool:
-        """Whether retrying the same request cannot help (invalid, forbidden, ...)."""
-        return self.status in (400, 403, 405, 415, 422)
+        """Whether retrying the same request cannot help (invalid, unsupported, ...). 403 is not:
+        RBAC changes without the spec changing (a Role granted late, or still propagating right
+        after ``helm install``), so a forbidden call is retried with the transient errors' delay
+        instead of waiting for the next resync."""
+        return self.status in (400, 405, 415, 422)
 
 
 def path(api_version: str, kind: str, namespace: str | None, name: str | None = None,

@@ -58,7 +58,9 @@ The operator's permissions in a namespace: exactly the calls it makes.
 - roles/rolebindings it creates for routerd (read EndpointSlices) and job reporters (write one
   ConfigMap): RBAC lets it grant only what it holds, hence configmaps update and endpointslices;
 - spec.gateway and podDisruptionBudget: the picker's Service and Envoy ConfigMap, PodDisruptionBudgets
-  and the InferencePool (watched for the parents' status) are deleted when the spec drops them.
+  and the InferencePool (watched for the parents' status) are deleted when the spec drops them;
+- services list: the per-group engine Services of a mixed-GPU pool (engine groups with their own
+  hardwareProfile) are listed by label and deleted when no longer wanted.
 */}}
 {{- define "phasewise.operatorRules" -}}
 - apiGroups: ["phasewise.io"]
@@ -75,7 +77,7 @@ The operator's permissions in a namespace: exactly the calls it makes.
   verbs: ["get", "create", "patch", "update", "delete"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["serviceaccounts"]
   verbs: ["get", "create", "patch"]
