@@ -251,3 +251,67 @@ def test_train_cli_refuses_an_unwritable_output_before_training(tmp_path, capsys
         assert len(err.splitlines()) == 1 and needle in err
     assert main(["train", "--quiet", "--select-samples", "-1"]) == 2
     assert "--select-samples must be >= 0, got -1" in capsys.readouterr().err
+
+
+def _workload(n: int, seed: int) -> list[Request]:
+    import random
+
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(40.0)
+        out.append(Request(id=i, arrival_s=t, prompt_tokens=rng.randint(5, 400), output_tokens=rng.randint(1, 60)))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_littles_law_return_is_minus_the_summed_e2e_whatever_the_actions(seed):
+    # The invariant behind the variant: with no guidance the undiscounted return is exactly
+    # -(sum of E2E) / step_s (the integral of the number in system), for any sequence of actions,
+    # holds and preemptions included (here: random actions on a small, overloaded pool).
+    import random
+
+    from routerd.rl.env import RoutingEnv
+
+    reqs = _workload(60, seed)
+    env = RoutingEnv(toy_profile(), 2, lambda s: reqs, RewardConfig("littles-law"))
+    env.reset(seed=seed)
+    rng = random.Random(seed)
+    total, done = 0.0, False
+    while not done:
+        _, r, done, _, info = env.step(rng.randrange(3))
+        total += r
+    e2e = [q.finish_s - q.arrival_s for q in env.run.requests]
+    assert all(q.finish_s >= q.arrival_s for q in env.run.requests)
+    assert total * 0.02 == pytest.approx(-sum(e2e), rel=1e-9, abs=1e-9)
+
+
+def test_littles_law_has_no_completion_bonus_and_optional_guidance():
+    cfg = RewardConfig("littles-law")
+    assert cfg.counts_requests and cfg.shaping_weight(0) == 0.0 and cfg.shaping_weight(50) == 0.0
+    assert RewardConfig("littles-law", guidance=0.5).shaping_weight(7) == 0.5
+    assert not RewardConfig("workload-guided").counts_requests
+    # One request alone: reward = -(its E2E) / step_s, nothing for completing it.
+    env = _env([Request(id=0, arrival_s=0.0, prompt_tokens=10, output_tokens=3)], "littles-law")
+    env.reset(seed=0)
+    _, r, done, _, info = env.step(0)
+    assert done and info["completed"] == 1
+    q = env.run.requests[0]
+    assert r == pytest.approx(-(q.finish_s - q.arrival_s) / 0.02)
+
+
+def test_action_mask_allows_what_fits_and_always_hold():
+    # 64 blocks of 16 tokens, 5% reserve: 60 usable. Each request needs at least blocks(560) = 35
+    # (its prompt, whatever its predicted output; at most the 60 usable). After the first goes to
+    # instance 0 (its prefill takes 0.56 s), instance 0 holds its 35 prompt blocks: 35 > 60 - 35,
+    # so only instance 1 (empty: 60 free) and hold remain.
+    from routerd.rl.env import RoutingEnv
+
+    reqs = [Request(id=0, arrival_s=0.0, prompt_tokens=560, output_tokens=200),
+            Request(id=1, arrival_s=0.001, prompt_tokens=560, output_tokens=200)]
+    prof = toy_profile(max_model_len=1024, max_num_batched_tokens=1024)
+    env = RoutingEnv(prof, 2, lambda s: reqs, RewardConfig("littles-law"))
+    env.reset(seed=0)
+    assert env.action_mask().tolist() == [True, True, True]
+    env.step(0)
+    assert env.action_mask().tolist() == [False, True, True]

@@ -26,6 +26,10 @@ from routerd.rl.reward import RewardConfig, processing_time_s
 from routerd.sim import ClusterSimulator, prepare_requests
 
 
+#: KV margin of :meth:`RoutingEnv.action_mask`: ``late_binding``'s default ``reserve_fraction``.
+MASK_RESERVE_FRACTION = 0.05
+
+
 class RoutingEnv(gym.Env):
     """Routing as an MDP (arXiv 2408.13510 §5.3), generalised to ``m`` instances.
 
@@ -79,6 +83,26 @@ class RoutingEnv(gym.Env):
         choice = policy.pick(self._head.features, view)
         return self.m if choice is None else [v.index for v in view.instances].index(choice)
 
+    def action_mask(self) -> np.ndarray:
+        """Which actions are allowed now: bool of shape ``(m + 1,)``. Instance ``i`` is allowed
+        when it can admit the queue head without preempting (``late_binding``'s test: KV blocks
+        for its prompt plus predicted output within ``(1 - reserve) * total - used - waiting``,
+        nothing waiting there and a free sequence slot, ``routerd/policies/kv_headroom.py``); hold
+        (``m``) always is.
+        With every instance full only hold remains, as ``late_binding`` holds."""
+        from routerd.policies.kv_headroom import blocks_for, kv_deficit_blocks, predicted_footprint_tokens
+
+        sim = self.sim
+        p = self.profile
+        f = self._head.features
+        need = blocks_for(predicted_footprint_tokens(f.prompt_tokens, f.predicted_output_tokens, p.max_model_len),
+                          p.block_size)
+        mask = np.ones(self.m + 1, dtype=bool)
+        for i, v in enumerate(sim.view(sim.now).instances):
+            mask[i] = (v.num_waiting == 0 and v.num_running + v.num_waiting < p.max_num_seqs
+                       and kv_deficit_blocks(v, need, MASK_RESERVE_FRACTION) <= 0)
+        return mask
+
     def set_episode(self, episode: int) -> None:
         """Set the episode index ``k`` that the guided shaping weight depends on."""
         self.episode = episode
@@ -91,7 +115,11 @@ class RoutingEnv(gym.Env):
         requests = list(self.workload_fn(seed))
         prep = prepare_requests(requests, self.profile, prediction=self.prediction, seed=seed)
         p = self.profile
+        counts = self.reward_cfg.counts_requests
         for r in prep.requests:
+            if counts:  # littles-law: the penalty rate is the number of requests in the system
+                r.inv_T, r.w = 1.0, 0.0
+                continue
             t = processing_time_s(p.grad1, p.decode_token_time_s, r.prompt, r.pred_tokens)
             r.inv_T = 1.0 / t
             r.w = r.inv_T / r.pred_tokens
@@ -142,6 +170,7 @@ class RoutingEnv(gym.Env):
         penalty = sim.penalty_integral - self._integral
         self._integral = sim.penalty_integral
         r_cfg = self.reward_cfg
-        reward = -penalty / r_cfg.step_s + r_cfg.r_w * done + self.shaping_weight * h
+        bonus = 0.0 if r_cfg.counts_requests else r_cfg.r_w * done
+        reward = -penalty / r_cfg.step_s + bonus + self.shaping_weight * h
         obs = np.zeros(self.observation_space.shape, dtype=np.float32) if terminated else self._obs()
         return obs, float(reward), terminated, False, {"time": now, "dt": dt, "completed": done, "h": h}

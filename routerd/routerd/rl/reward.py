@@ -23,6 +23,17 @@ hold). The shaping weight ``w_k``:
   ``gamma_k = (1 - exp(-beta_d * k)) * gamma`` (``beta_d = 0.5``, ``k`` the episode
   index), after HuRL (Cheng et al., NeurIPS 2021), so the guidance fades with training.
   As in HuRL the learner also bootstraps with ``gamma_k`` instead of ``gamma``.
+
+Ours (issue 18), ``littles-law``: the reward whose sum is the quantity reported, mean E2E::
+
+    r = -(1 / step_s) * integral over the step of N(t) dt + guidance * h
+
+with ``N(t)`` the requests in the system (arrived, in the router's queue or on an instance,
+not finished): the paper's penalty with every ``1/T_j = 1`` and ``f_j = 0``. Over an episode
+whose requests all finish, ``sum r = -(sum_j E2E_j) / step_s + guidance * sum h`` (the integral of
+``N`` is the sum of the time each request spent in the system, Little's law), so with
+``guidance`` 0 maximising the return is minimising mean E2E, with no completion bonus to trade
+against it. ``guidance`` (default 0) keeps the paper's shaping term as an option.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-REWARD_VARIANTS = ("baseline", "workload-aware", "workload-guided")
+REWARD_VARIANTS = ("baseline", "workload-aware", "workload-guided", "littles-law")
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,14 @@ class RewardConfig:
     """Estimator weight of the prompt-side term (paper: 0.5)."""
     epsilon: float = 0.1
     """Estimator prefill-impact threshold (s)."""
+    guidance: float = 0.0
+    """``littles-law`` only: the constant weight of the shaping term ``h`` (0: none)."""
+
+    @property
+    def counts_requests(self) -> bool:
+        """Whether the penalty counts requests (``littles-law``: ``1/T_j = 1``, no progress
+        credit, no completion bonus) instead of the paper's processing-time weighted backlog."""
+        return self.variant == "littles-law"
 
     def __post_init__(self) -> None:
         if self.variant not in REWARD_VARIANTS:
@@ -62,6 +81,8 @@ class RewardConfig:
             return 0.0
         if self.variant == "workload-aware":
             return 1.0
+        if self.variant == "littles-law":
+            return self.guidance
         return self.gamma - self.discount(episode)
 
     def discount(self, episode: int) -> float:
