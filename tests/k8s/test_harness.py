@@ -162,3 +162,43 @@ def test_restart_keeps_the_data(k8s, k8s_client, namespace):
     took = k8s.restart_apiserver()
     print(f"\nkube-apiserver restarted in {took:.1f} s")
     assert core.read_namespaced_config_map("durable", namespace).data == {"k": "v"}
+
+
+def test_api_server_refuses_loopback_endpointslice_addresses(k8s_client, namespace):
+    """Why the KWOK cluster test (test_cluster_kwok.py) runs in a private network namespace: pod IPs
+    from a loopback range never reach an EndpointSlice (the EndpointSlice controller's writes fail
+    the same way), so they come from a range routed to that namespace's lo instead."""
+    disc = client.DiscoveryV1Api(k8s_client)
+
+    def eps(ip):
+        return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"generateName": "lo-", "labels": {"kubernetes.io/service-name": "lo"}},
+                "addressType": "IPv4", "ports": [{"name": "http", "port": 8000}],
+                "endpoints": [{"addresses": [ip]}]}
+
+    with pytest.raises(client.ApiException) as e:
+        disc.create_namespaced_endpoint_slice(namespace, eps("127.0.0.5"))
+    assert e.value.status == 422 and "may not be in the loopback range" in e.value.body
+    disc.create_namespaced_endpoint_slice(namespace, eps("198.18.0.5"))  # the KWOK test's range is fine
+
+
+def test_pod_processes_rewrite_expand_and_cidr_guard():
+    """PodProcesses' view of a pod made local (no binaries needed): mount paths and the pod's own
+    0.0.0.0 / 127.0.0.1 in one pass, a kubelet's $(VAR) expansion, and the pod-range guard."""
+    from pathlib import Path
+
+    from k8s.harness import PodProcesses, _expand, check_isolated_pod_cidr, isolated_network
+
+    mounts = {"/etc/phasewise": Path("/tmp/p/volumes/config"), "/tmp": Path("/tmp/p/volumes/tmp")}
+    got = PodProcesses._rewrite("--profile /etc/phasewise/profile.yaml --home /tmp --metrics-url "
+                                "http://127.0.0.1:8000/metrics --listen 0.0.0.0:50051 127.0.0.10 /etc/phasewisex",
+                                mounts, "198.18.0.7")
+    assert got == ("--profile /tmp/p/volumes/config/profile.yaml --home /tmp/p/volumes/tmp --metrics-url "
+                   "http://198.18.0.7:8000/metrics --listen 198.18.0.7:50051 127.0.0.10 /etc/phasewisex")
+    assert _expand("--instance $(POD_NAME) $$(POD_NAME) $(NOPE)", {"POD_NAME": "p-1"}) == \
+        "--instance p-1 $(POD_NAME) $(NOPE)"
+    with pytest.raises(ValueError, match="loopback"):
+        check_isolated_pod_cidr("127.1.0.0/24")
+    if not isolated_network():  # this machine's own namespace has real interfaces: refused
+        with pytest.raises(ValueError, match="interfaces besides lo"):
+            check_isolated_pod_cidr("198.18.0.0/24")

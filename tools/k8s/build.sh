@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# Build the Kubernetes test binaries (kube-apiserver, kube-controller-manager, kubectl,
-# etcd, helm) from their official Go modules into a cache directory outside the repo, and
-# copy the Gateway API Inference Extension's InferencePool CRD out of its Go module.
+# Build the Kubernetes test binaries (kube-apiserver, kube-controller-manager,
+# kube-scheduler, kubectl, etcd, helm, kwok) from their official Go modules into a cache
+# directory outside the repo, and copy the Gateway API Inference Extension's InferencePool
+# CRD and KWOK's default Stage manifests out of their Go modules.
 #
-#   tools/k8s/build.sh --crds       only the CRD step (seconds; no compiler run)
+#   tools/k8s/build.sh --crds       only the CRD and KWOK Stage steps (seconds; no compiler run)
 #
 #   tools/k8s/build.sh              build what is missing, verify every --version
 #   tools/k8s/build.sh --print-bin  print the cache directory and exit
 #   tools/k8s/build.sh --regen      rewrite the tools modules' go.mod/go.sum for the
-#                                   versions in K8S_VERSION / ETCD_VERSION / HELM_VERSION
+#                                   versions in K8S_VERSION / ETCD_VERSION / HELM_VERSION /
+#                                   KWOK_VERSION
 #
-# The versions are read from the committed go.mod files of the three tools modules
-# (tools/k8s/{kube,etcd,helm}); they key the cache directory:
+# The versions are read from the committed go.mod files of the tools modules
+# (tools/k8s/{kube,etcd,helm,kwok}); k8s, etcd and helm key the cache directory:
 #   ${PHASEWISE_K8S_BIN:-$HOME/.cache/phasewise/k8s/<k8s>-etcd<etcd>-helm<helm>}
+# kwok's binary sits in the same directory and is checked by its version like the others
+# (so a new kwok version rebuilds kwok alone); its Stage manifests are cached as
+# kwok-stages-v<kwok>/ there, the InferencePool CRD as crds/gie-v<gie>/.
 # Idempotent: a binary that exists and reports the expected version is not rebuilt.
 # Each binary is built into a temporary name and renamed, so an interrupted build never
 # leaves a half-written binary behind. A lock serialises concurrent runs.
@@ -35,10 +40,10 @@ else:
 
 regen() {
   local k8s=${K8S_VERSION:-1.37.2} etcd=${ETCD_VERSION:-3.7.3} helm=${HELM_VERSION:-3.22.0}
-  local staging=0.${k8s#1.} up m
+  local kwok=${KWOK_VERSION:-0.8.0} staging=0.${k8s#1.} up m
   # go 1.26.0, not the local toolchain's patch release that `go mod init` would write,
   # so any Go 1.26.x builds it; `go get` raises it if a dependency needs more.
-  echo "regenerating tools modules: k8s v$k8s (staging v$staging), etcd v$etcd, helm v$helm"
+  echo "regenerating tools modules: k8s v$k8s (staging v$staging), etcd v$etcd, helm v$helm, kwok v$kwok"
   # kube: k8s.io/kubernetes requires every staging module at v0.0.0 and resolves them with
   # replace => ./staging/...; a consumer must replace each with its published version.
   rm -f "$HERE/kube/go.mod" "$HERE/kube/go.sum"
@@ -52,6 +57,7 @@ regen() {
     go mod edit -godebug=default=go1.26 &&
     go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@v$k8s" \
       "k8s.io/kubernetes/cmd/kube-controller-manager@v$k8s" \
+      "k8s.io/kubernetes/cmd/kube-scheduler@v$k8s" \
       "k8s.io/kubernetes/cmd/kubectl@v$k8s" &&
     go mod tidy)
   # etcd: its own module (MVS would otherwise mix its server with k8s's etcd client).
@@ -64,6 +70,11 @@ regen() {
   (cd "$HERE/helm" && go mod init local.invalid/phasewise-helm-tools >/dev/null 2>&1 &&
     go mod edit -go=1.26.0 &&
     go get -tool "helm.sh/helm/v3/cmd/helm@v$helm" && go mod tidy)
+  # kwok: its own module too (it is built against its own k8s.io/* versions, not 1.37's).
+  rm -f "$HERE/kwok/go.mod" "$HERE/kwok/go.sum"
+  (cd "$HERE/kwok" && go mod init local.invalid/phasewise-kwok-tools >/dev/null 2>&1 &&
+    go mod edit -go=1.26.0 &&
+    go get -tool "sigs.k8s.io/kwok/cmd/kwok@v$kwok" && go mod tidy)
 }
 
 case "${1:-}" in
@@ -97,29 +108,54 @@ crds() {
   echo "build.sh: InferencePool CRD of gateway-api-inference-extension v$GIE in $GIE_CRD"
 }
 
+# KWOK's default Stage manifests (node initialize and heartbeat with lease, pod ready,
+# complete and delete: the files its kustomize/stage/fast kustomization names), copied out
+# of the module pinned in tools/k8s/kwok/go.mod for tests/k8s/harness.py's KWOK cluster.
+KWOK=$(gomod_version "$HERE/kwok" sigs.k8s.io/kwok)
+KWOK_STAGES="$BIN/kwok-stages-v$KWOK"
+KWOK_STAGE_FILES="node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml
+pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml"
+kwok_stages() {
+  local f dir ok=1
+  for f in $KWOK_STAGE_FILES; do [ -s "$KWOK_STAGES/${f##*/}" ] || ok=0; done
+  [ "$ok" = 1 ] && return 0
+  dir=$(cd "$HERE/kwok" && go mod download -json sigs.k8s.io/kwok |
+    python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(d["Error"]) if d.get("Error") else print(d["Dir"])')
+  mkdir -p "$KWOK_STAGES"
+  for f in $KWOK_STAGE_FILES; do
+    cp "$dir/kustomize/stage/$f" "$KWOK_STAGES/${f##*/}.tmp"
+    chmod 644 "$KWOK_STAGES/${f##*/}.tmp"  # the module cache is read-only
+    mv -f "$KWOK_STAGES/${f##*/}.tmp" "$KWOK_STAGES/${f##*/}"
+  done
+  echo "build.sh: KWOK v$KWOK Stage manifests in $KWOK_STAGES"
+}
+
 mkdir -p "$BIN"
-if [ "${1:-}" = "--crds" ]; then crds; exit 0; fi
+if [ "${1:-}" = "--crds" ]; then crds; kwok_stages; exit 0; fi
 crds
+kwok_stages
 exec 9>"$BIN/.lock"
 flock 9
 
 # Expected first line of each binary's version output.
 want() {
   case "$1" in
-    kube-apiserver|kube-controller-manager) echo "Kubernetes v$K8S" ;;
+    kube-apiserver|kube-controller-manager|kube-scheduler) echo "Kubernetes v$K8S" ;;
     kubectl) echo "Client Version: v$K8S" ;;
     etcd) echo "etcd Version: $ETCD" ;;
     helm) echo "v$HELM" ;;
+    kwok) echo "kwok version v$KWOK" ;;
   esac
 }
 got() {
   local b="$BIN/$1"
   [ -x "$b" ] || return 0
   case "$1" in
-    kube-apiserver|kube-controller-manager) "$b" --version 2>/dev/null | head -n1 ;;
+    kube-apiserver|kube-controller-manager|kube-scheduler) "$b" --version 2>/dev/null | head -n1 ;;
     kubectl) "$b" version --client 2>/dev/null | head -n1 ;;
     etcd) "$b" --version 2>/dev/null | head -n1 ;;
     helm) "$b" version --template '{{.Version}}' 2>/dev/null ;;
+    kwok) "$b" --version 2>/dev/null | head -n1 | cut -d' ' -f1-3 ;;  # "kwok version vX goX.Y (os/arch)"
   esac
 }
 ok() { [ "$(got "$1")" = "$(want "$1")" ]; }
@@ -139,7 +175,7 @@ export CGO_ENABLED=0
 # the version stamp of hack/lib/version.sh: without it /version says v0.0.0-master, which
 # breaks helm's .Capabilities.KubeVersion and kubeVersion: constraints.
 kube=()
-for b in kube-apiserver kube-controller-manager kubectl; do ok "$b" || kube+=("k8s.io/kubernetes/cmd/$b"); done
+for b in kube-apiserver kube-controller-manager kube-scheduler kubectl; do ok "$b" || kube+=("k8s.io/kubernetes/cmd/$b"); done
 if [ ${#kube[@]} -gt 0 ]; then
   minor=$(echo "$K8S" | cut -d. -f2)
   ldf="-s -w"
@@ -175,8 +211,17 @@ if ! ok helm; then
   mv -f "$tmp/helm" "$BIN/helm"
 fi
 
+# kwok: KWOK's controller (simulated nodes and pod lifecycles), run against the harness's
+# API server. Its own module, plain build flags as its install docs give them; the version
+# is a source constant (pkg/consts), so no -X is needed.
+if ! ok kwok; then
+  echo "build.sh: building kwok v$KWOK into $BIN"
+  (cd "$HERE/kwok" && timed kwok go build -trimpath -ldflags="-s -w" -o "$tmp/kwok" sigs.k8s.io/kwok/cmd/kwok)
+  mv -f "$tmp/kwok" "$BIN/kwok"
+fi
+
 fail=0
-for b in kube-apiserver kube-controller-manager kubectl etcd helm; do
+for b in kube-apiserver kube-controller-manager kube-scheduler kubectl etcd helm kwok; do
   if ok "$b"; then
     printf 'build.sh: %-24s %-28s %s\n' "$b" "$(got "$b")" "$(du -h "$BIN/$b" | cut -f1)"
   else
@@ -184,5 +229,8 @@ for b in kube-apiserver kube-controller-manager kubectl etcd helm; do
   fi
 done
 [ -s "$GIE_CRD" ] || { echo "build.sh: InferencePool CRD missing: $GIE_CRD" >&2; fail=1; }
+for f in $KWOK_STAGE_FILES; do
+  [ -s "$KWOK_STAGES/${f##*/}" ] || { echo "build.sh: KWOK stage missing: $KWOK_STAGES/${f##*/}" >&2; fail=1; }
+done
 [ "$fail" = 0 ] && echo "build.sh: binaries ready in $BIN"
 exit "$fail"
