@@ -20,8 +20,8 @@ time others ran):
   answer (the decision plus protobuf header/body handling), what the picker's process spends per
   request apart from gRPC.
 
-The garbage collector runs as the picker runs it (:mod:`routerd.daemon.collector`: automatic
-collection off, the same collections between requests). Settings: ``--endpoints`` instances,
+The garbage collector runs as the picker runs it (:mod:`routerd.daemon.collector`: the same
+collections between requests, CPython's own only as a backstop). Settings: ``--endpoints`` instances,
 ``--policies``, ``--predictor`` (``default``: the shipped n-gram model, as ``phasewise epp``
 runs by default), ``--prompt-chars`` of prompt text, ``--prefix`` mode.
 
@@ -49,7 +49,7 @@ from envoy.config.core.v3 import base_pb2  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
 
 from routerd.daemon.app import Daemon  # noqa: E402
-from routerd.daemon.collector import THRESHOLDS, CollectorPacer  # noqa: E402
+from routerd.daemon.collector import BACKSTOP, THRESHOLDS, CollectorPacer  # noqa: E402
 from routerd.daemon.config import Settings  # noqa: E402
 from routerd.epp.server import EppServer  # noqa: E402
 
@@ -149,8 +149,7 @@ def main() -> None:
     a = ap.parse_args()
     gc.collect()
     gc.freeze()
-    gc.set_threshold(*THRESHOLDS)
-    gc.disable()
+    gc.set_threshold(BACKSTOP * THRESHOLDS[0], *THRESHOLDS[1:])  # CPython's own, as the picker's backstop
     pacer = CollectorPacer()
     print(f"picker decision in process, no gRPC (thread CPU, us; {a.n} requests, first 10% warm-up; predictor "
           f"{a.predictor}, {a.prompt_chars}-char prompts, prefix {a.prefix})")

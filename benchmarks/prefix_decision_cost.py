@@ -23,8 +23,9 @@ after 10% warm-up. The indexes defer their inserts as routerd's do (``PrefixInde
 routerd applies them, evictions included, on the next event-loop turn, after the request is on
 its way), so a pick is the decision; ``+update`` is the pick plus that insert (its CPU clock),
 what the decision costs the event loop in all. The garbage collector runs as routerd runs it
-(``--collector routerd``, :mod:`routerd.daemon.collector`: no automatic collection, the same
-collections at routerd's thresholds between callbacks, here after each decision's update), and
+(``--collector routerd``, :mod:`routerd.daemon.collector`: the same collections at routerd's
+thresholds between callbacks, here after each decision's update, CPython's own only as a
+backstop), and
 ``gc`` is its mean CPU per decision (us); ``--collector cpython`` keeps CPython's automatic
 collector at its default thresholds, which collects inside the picks. The prefix hashing (``PrefixIdentity.blocks_for``, what
 routerd does once per request at parse) is timed apart, per prompt size and chunk size.
@@ -345,12 +346,11 @@ def main() -> None:
     if a.collector == "routerd":
         # As routerd runs (routerd.daemon.collector): start-up objects frozen, no automatic
         # collection, the same collections between callbacks (here: after each decision's update).
-        from routerd.daemon.collector import THRESHOLDS, CollectorPacer
+        from routerd.daemon.collector import BACKSTOP, THRESHOLDS, CollectorPacer
 
         gc.collect()
         gc.freeze()
-        gc.set_threshold(*THRESHOLDS)
-        gc.disable()
+        gc.set_threshold(BACKSTOP * THRESHOLDS[0], *THRESHOLDS[1:])  # CPython's own, as routerd's backstop
         PACER = CollectorPacer()
     else:
         gc.freeze()

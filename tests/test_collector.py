@@ -10,7 +10,9 @@ import weakref
 
 import pytest
 
-from routerd.daemon.collector import THRESHOLDS, CollectorPacer, due_generation
+from routerd.daemon.collector import BACKSTOP, SUPPORTED, THRESHOLDS, CollectorPacer, due_generation
+
+paced_only = pytest.mark.skipif(not SUPPORTED, reason="pacing applies to CPython 3.11-3.13's collector")
 
 T = (700, 10, 10)  # CPython's default thresholds
 
@@ -37,6 +39,7 @@ class Node:
         self.other = self  # a cycle: only the collector frees it
 
 
+@paced_only
 def test_paced_collection_frees_cycles_from_the_loop_and_gives_the_collector_back():
     before = (gc.get_threshold(), gc.isenabled())
 
@@ -44,12 +47,14 @@ def test_paced_collection_frees_cycles_from_the_loop_and_gives_the_collector_bac
         pacer = CollectorPacer(thresholds=(200, 2, 2), interval_s=0.001)
         pacer.start()
         try:
-            assert not gc.isenabled() and gc.get_threshold() == (200, 2, 2)
+            # CPython's own collector stays on, as a backstop BACKSTOP times further away.
+            assert gc.isenabled() and gc.get_threshold() == (BACKSTOP * 200, 2, 2)
             garbage = Node()
             ref = weakref.ref(garbage)
             del garbage
-            # Nothing collects it inside this callback however many containers it makes...
-            keep = [[k] for k in range(1_000)]
+            # Nothing collects it inside this callback while it makes fewer containers than the
+            # backstop...
+            keep = [[k] for k in range(500)]
             assert ref() is not None
             for _ in range(200):  # ...the pacer's callback does, once the young count is due
                 keep.extend([k] for k in range(300))  # survivors: the young count grows
@@ -131,3 +136,40 @@ def test_young_and_middle_collections_come_where_cpythons_own_collector_puts_the
         return gens[:12]
 
     assert run(paced=True) == run(paced=False) == [0, 0, 0, 1] * 3
+
+
+@paced_only
+def test_overlapping_pacers_give_back_the_first_ones_settings_and_a_blocked_loop_has_the_backstop():
+    before = (gc.get_threshold(), gc.isenabled())
+    gens: list[int] = []
+
+    def seen(phase, info):
+        if phase == "start":
+            gens.append(info["generation"])
+
+    async def main() -> None:
+        a, b = CollectorPacer(thresholds=(300, 5, 5)), CollectorPacer(thresholds=(300, 5, 5))
+        a.start()
+        b.start()
+        await a.stop()  # b still runs: the collector stays paced
+        assert gc.get_threshold() == (BACKSTOP * 300, 5, 5)
+        # The loop blocked in one callback, allocating: CPython's collector still runs, at the
+        # backstop (more than BACKSTOP * 300 new containers), never at the paced 300.
+        gc.callbacks.append(seen)
+        try:
+            keep = []
+            for k in range(BACKSTOP * 300 + 50):
+                keep.append([k])
+                if k == BACKSTOP * 300 - 50:
+                    assert gens == []
+        finally:
+            gc.callbacks.remove(seen)
+        assert gens and gens[0] == 0
+        await b.stop()
+
+    try:
+        asyncio.run(main())
+        assert (gc.get_threshold(), gc.isenabled()) == before
+    finally:
+        gc.set_threshold(*before[0])
+        gc.enable() if before[1] else gc.disable()

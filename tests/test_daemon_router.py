@@ -366,3 +366,33 @@ def test_an_endpoint_profile_that_cannot_be_loaded_falls_back_to_routerds_named_
     assert m.profile_fallbacks._value.get() == 2  # e0 and e1, once each
     said = [rec.getMessage() for rec in caplog.records if "cannot be loaded" in rec.getMessage()]
     assert len(said) == 2 and all(gone in s and "using llama3.1-8b-a100" in s for s in said)
+
+
+def test_endpoint_profile_files_are_parsed_once_per_content(tmp_path, monkeypatch):
+    # Every EndpointSlice update asks each endpoint's profile: a file is read again only when its
+    # stat changes, and a rewrite with the same content keeps the same profile object.
+    import routerd.profiles as profiles
+    from routerd.profiles import get_profile
+
+    a100 = get_profile("llama3.1-8b-a100")
+    f = tmp_path / "profile-h100.yaml"
+    f.write_text((profiles._profiles_dir() / "llama3.1-8b-h100.yaml").read_text())
+    reads = []
+    real = profiles.load_profile_file
+    monkeypatch.setattr(profiles, "load_profile_file", lambda p: reads.append(p) or real(p))
+    pol = build_routing_policy(PolicyConfig(name="round_robin"), a100, 2)
+    r = Router(profile=a100, policy=pol, policy_name="round_robin", metrics=Metrics(), config=RouterConfig(),
+               state_max_age_s=2.0)
+    eps = [DiscoveredEndpoint(f"e{i}", f"http://127.0.0.1:{9000 + i}", profile=str(f)) for i in range(8)]
+    for ready in (True, False, True):
+        r.set_endpoints([DiscoveredEndpoint(e.name, e.url, ready=ready, profile=e.profile) for e in eps])
+    assert len(reads) == 1
+    first = r.by_name["e0"].profile
+    assert first.num_blocks == get_profile("llama3.1-8b-h100").num_blocks
+    import os
+    os.utime(f, ns=(1, 1))  # touched, same content: read again, the same object kept
+    r.set_endpoints(eps)
+    assert len(reads) == 2 and r.by_name["e3"].profile is first
+    f.write_text(f.read_text().replace("max_num_seqs: 1024", "max_num_seqs: 128"))
+    r.set_endpoints(eps)
+    assert len(reads) == 3 and r.by_name["e3"].profile.max_num_seqs == 128

@@ -872,10 +872,12 @@ class Daemon:
             await self.drain()
             return 0
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
-            for front in reversed(fronts):
-                await front.stop()
-            await self.stop()
-            await collector.stop()
+            try:
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    loop.remove_signal_handler(sig)
+                for front in reversed(fronts):
+                    await front.stop()
+                await self.stop()
+            finally:
+                await collector.stop()  # whatever the stops raised: CPython's collector back
             log.info("routerd stopped (pid %d)", os.getpid())

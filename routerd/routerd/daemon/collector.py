@@ -18,6 +18,11 @@ since its last collection. CPython's extra condition for the oldest generation (
 objects waiting for it are a quarter of those it holds) is not visible from Python, so that
 generation is collected on its count alone: at most once per ``t1 * t2`` young collections
 (400 at routerd's thresholds).
+
+CPython's own collector stays on as a backstop, with a young threshold :data:`BACKSTOP` times
+the paced one: it acts only when the loop has not run the timer for that long (a blocked loop
+while other threads allocate). Python 3.14's collector is incremental (``gc.collect(1)`` is an
+increment, not a generation), so there the pacer leaves collection to CPython.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import sys
 
 log = logging.getLogger("routerd")
 
@@ -35,6 +41,15 @@ THRESHOLDS = (20_000, 20, 20)
 #: How often the loop looks at the counts (s). Between two looks a busy routerd makes at most a
 #: few thousand containers, a fraction of the young threshold.
 INTERVAL_S = 0.005
+#: CPython's automatic collector stays on with this many times the paced young threshold.
+BACKSTOP = 5
+#: Whether pacing applies: CPython 3.11-3.13's generational collector (3.14's is incremental).
+SUPPORTED = (3, 11) <= sys.version_info[:2] < (3, 14)
+
+_active = 0
+"""Pacers started and not stopped, process-wide (the collector is one per process)."""
+_saved: tuple[tuple[int, int, int], bool] | None = None
+"""The collector's settings before the first pacer started, given back when the last stops."""
 
 
 def due_generation(counts: tuple[int, int, int], thresholds: tuple[int, int, int]) -> int | None:
@@ -56,9 +71,10 @@ class CollectorPacer:
 
     :meth:`start` collects everything once, freezes what survives (the modules, settings and
     policy made at start-up live as long as the process: ``gc.freeze`` moves them out of every
-    later scan), turns automatic collection off and starts the timer; :meth:`stop` ends the timer
-    and turns automatic collection back on with the thresholds it found. ``collections[g]``
-    counts the collections of generation ``g`` it ran.
+    later scan), raises CPython's own young threshold to the backstop and starts the timer;
+    :meth:`stop` ends the timer, and the last pacer to stop gives back the collector's settings
+    as the first one found them. ``collections[g]`` counts the collections of generation ``g``
+    it ran. Outside CPython 3.11-3.13 (:data:`SUPPORTED`) both do nothing.
     """
 
     def __init__(self, thresholds: tuple[int, int, int] = THRESHOLDS, interval_s: float = INTERVAL_S) -> None:
@@ -66,7 +82,6 @@ class CollectorPacer:
         self.interval_s = interval_s
         self.collections = [0, 0, 0]
         self._task: asyncio.Task | None = None
-        self._saved: tuple[tuple[int, int, int], bool] | None = None
 
     def collect_if_due(self) -> int | None:
         """Collect the due generation (:func:`due_generation`) now; the generation, or None."""
@@ -80,15 +95,26 @@ class CollectorPacer:
         """Collect, freeze, turn automatic collection off and start the timer (on the running loop).
 
         Raises RuntimeError when no event loop is running."""
+        global _active, _saved
         loop = asyncio.get_running_loop()
-        if self._task is not None:
+        if self._task is not None or not SUPPORTED:
             return
         gc.collect()
         gc.freeze()
-        self._saved = (gc.get_threshold(), gc.isenabled())
-        gc.set_threshold(*self.thresholds)  # what gc.get_threshold() reports while paced
-        gc.disable()
+        if _active == 0:
+            _saved = (gc.get_threshold(), gc.isenabled())
+        _active += 1
+        t0, t1, t2 = self.thresholds
+        gc.set_threshold(BACKSTOP * t0, t1, t2)
+        gc.enable()
         self._task = loop.create_task(self._run(), name="routerd-gc-pacer")
+        self._task.add_done_callback(self._ended)
+
+    @staticmethod
+    def _ended(task: asyncio.Task) -> None:
+        if not task.cancelled():
+            log.error("garbage collection pacing stopped (%r); CPython's collector runs alone at the backstop "
+                      "threshold", task.exception())
 
     async def _run(self) -> None:
         while True:
@@ -100,16 +126,19 @@ class CollectorPacer:
 
     async def stop(self) -> None:
         """Stop the timer and give collection back to CPython (its thresholds as found at start)."""
+        global _active, _saved
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        if self._saved is not None:
-            thresholds, enabled = self._saved
-            self._saved = None
+        if task is None:
+            return
+        task.remove_done_callback(self._ended)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        _active -= 1
+        if _active == 0 and _saved is not None:
+            thresholds, enabled = _saved
+            _saved = None
             gc.set_threshold(*thresholds)
-            if enabled:
-                gc.enable()
+            gc.enable() if enabled else gc.disable()

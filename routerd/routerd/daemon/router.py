@@ -299,6 +299,8 @@ class Router:
         """Ready-endpoint count for which the policy's own fallback was last logged."""
         self._idle_waiters: list[asyncio.Future] = []
         self._bad_profiles: set[tuple[str, str]] = set()
+        self._profile_files: dict[str, tuple[tuple[int, int, int] | None, "HardwareProfile"]] = {}
+        """Endpoint profiles by spec, with the file's stat when read (:meth:`_profile_of`)."""
         """Endpoint profiles that failed to load at runtime (each said once)."""
         self._cands: dict[Any, tuple[list[EndpointState], float, float]] | None = None
         """Per model: candidates without exclusions and the times between which they stay valid
@@ -511,6 +513,8 @@ class Router:
                 ep.removed = True
                 ep.ready = False
                 ep.m.ready.set(0)
+        # Said-once records of endpoints that are gone (pod names change with every rollout).
+        self._bad_profiles = {k for k in self._bad_profiles if k[0] in seen}
         self._drop_removed()
         self._rebuild_models()
         self._sync_profiles()
@@ -520,13 +524,32 @@ class Router:
 
     def _profile_of(self, d: DiscoveredEndpoint) -> "HardwareProfile":
         """``d``'s own profile (``endpoints[].profile``, checked when the settings were loaded), or
-        routerd's. One that cannot be loaded now (a file gone since) is routerd's, said once."""
+        routerd's. One that cannot be loaded now (a file gone since) is routerd's, said once.
+
+        A profile file is parsed once per content: it is kept with its file's stat (mtime, size,
+        inode) and read again only when that changes, since every EndpointSlice update asks this
+        for every endpoint on the event loop (parsing and checking one file: about 1-5 ms)."""
         if not d.profile:
             return self.profile
         from routerd.profiles import ProfileError, get_profile
 
+        spec = d.profile
         try:
-            return get_profile(d.profile)
+            stamp = None
+            if spec.endswith((".yaml", ".yml")) or "/" in spec:  # get_profile's rule for a path
+                try:
+                    st = os.stat(spec)
+                except OSError as e:
+                    raise ProfileError(f"cannot read {spec}: {e.strerror}") from None
+                stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            hit = self._profile_files.get(spec)
+            if hit is not None and hit[0] == stamp:
+                return hit[1]
+            prof = get_profile(spec)
+            if hit is not None and hit[1] == prof:
+                prof = hit[1]  # same content rewritten: the same object, so no endpoint changes
+            self._profile_files[spec] = (stamp, prof)
+            return prof
         except ProfileError as e:
             if (d.name, d.profile) not in self._bad_profiles:
                 self._bad_profiles.add((d.name, d.profile))
