@@ -345,3 +345,20 @@ def test_operator_budget_without_max_unavailable_fails_instead_of_rendering_an_e
     assert pdb["spec"]["maxUnavailable"] == "25%"
     (pdb,) = by_kind(render("podDisruptionBudget.enabled=true"), "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_the_kubernetes_guides_registry_overrides_reach_every_image():
+    # docs/kubernetes.md step 8: the --set line that points every Phasewise image at a registry.
+    import re
+
+    text = (REPO / "docs" / "kubernetes.md").read_text()
+    (sets,) = re.findall(r"--set\s+(images\.routerd\.repository=\S+?)`", text.replace("\n", " "))
+    values = dict(kv.split("=", 1) for kv in sets.split(","))
+    assert set(values) == {"images.routerd.repository", "images.trainer.repository", "operator.image.repository"}
+    docs = render_values(GPU_EXAMPLE, sets)
+    (op,) = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("operator")]
+    container = op["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    assert container["image"].startswith("REG/operator:")
+    assert env["PHASEWISE_ROUTERD_IMAGE"].startswith("REG/routerd:")
+    assert env["PHASEWISE_TRAINER_IMAGE"].startswith("REG/routerd:") and env["PHASEWISE_TRAINER_IMAGE"].endswith("-rl")

@@ -456,7 +456,8 @@ def test_one_engine_deployment_per_group_behind_one_service():
     assert sorted(k for k in kids if k[0] in ("Deployment", "Service")) == [
         ("Deployment", "chat-engine-code"), ("Deployment", "chat-engine-llama"),
         ("Deployment", "chat-engine-llama-h100"), ("Deployment", "chat-routerd"),
-        ("Service", "chat-engine"), ("Service", "chat-routerd")]
+        ("Service", "chat-engine"), ("Service", "chat-engine-code"), ("Service", "chat-engine-llama"),
+        ("Service", "chat-engine-llama-h100"), ("Service", "chat-routerd")]
     deps = {g: kids[("Deployment", f"chat-engine-{g}")] for g in ("llama", "llama-h100", "code")}
     assert {g: d["spec"]["replicas"] for g, d in deps.items()} == {"llama": 2, "llama-h100": 3, "code": 1}
     for g, d in deps.items():
@@ -881,10 +882,18 @@ def test_a_group_profile_of_another_model_is_refused_naming_the_group():
     assert e.value.field.startswith("spec.engineGroups[1].hardwareProfile.inline")
 
 
-def test_without_group_profiles_no_group_service_and_stale_ones_are_named():
+def test_group_services_whatever_the_profiles_none_for_one_model_and_stale_ones_are_named():
+    # Groups without their own profile keep their Services (giving one a profile, or taking it
+    # away, changes only routerd's settings); a single-model pool renders as before.
     kids = _children(GROUPS_SPEC)
-    assert not [k for k in kids if k[0] == "Service" and k[1].startswith("chat-engine-")]
+    assert sorted(k[1] for k in kids if k[0] == "Service" and k[1].startswith("chat-engine-")) == [
+        "chat-engine-code", "chat-engine-llama", "chat-engine-llama-h100"]
     k = yaml.safe_load(kids[("ConfigMap", "chat-routerd")]["data"]["routerd.yaml"])["kubernetes"]
+    assert k["selector"] == "phasewise.io/pool=chat,app.kubernetes.io/component=engine-group"
+    assert k["profiles"] == {} and "profile-llama.yaml" not in kids[("ConfigMap", "chat-routerd")]["data"]
+    single = _children(GPU_SPEC)
+    assert not [n for kind, n in single if kind == "Service" and n.startswith("chat-engine-")]
+    k = yaml.safe_load(single[("ConfigMap", "chat-routerd")]["data"]["routerd.yaml"])["kubernetes"]
     assert "selector" not in k and "profiles" not in k and k["service"] == "chat-engine"
 
     def svc(name, uid=POOL.uid, component="engine-group"):
@@ -896,3 +905,16 @@ def test_without_group_profiles_no_group_service_and_stale_ones_are_named():
     assert B.stale_group_services(POOL, parse_pool_spec(MIXED_SPEC), observed) == ["chat-engine-gone"]
     assert B.stale_group_services(POOL, parse_pool_spec(GROUPS_SPEC), observed) == ["chat-engine-a100",
                                                                                     "chat-engine-gone"]
+    assert B.stale_group_services(POOL, parse_pool_spec(GPU_SPEC), observed) == ["chat-engine-a100",
+                                                                                 "chat-engine-gone"]
+
+
+def test_a_group_service_name_over_63_characters_is_refused_naming_the_group():
+    long_pool = B.PoolRef(name="p" * 50, namespace="llm", uid=POOL.uid, generation=1)
+    ps = parse_pool_spec(EMU_GROUPS_SPEC)
+    B.pool_children(long_pool, ps, OPS)  # p*50-engine-a: 59 characters
+    spec = copy.deepcopy(EMU_GROUPS_SPEC)
+    spec["engineGroups"][1]["name"] = "b" * 10  # 50 + 8 + 10 = 68
+    with pytest.raises(SpecError) as e:
+        B.pool_children(long_pool, parse_pool_spec(spec), OPS)
+    assert e.value.field == "spec.engineGroups[1].name" and "68 characters" in str(e.value)

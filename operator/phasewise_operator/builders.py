@@ -133,10 +133,12 @@ def engine_name(pool: str) -> str:
 
 
 def engine_group_name(pool: str, group: str) -> str:
-    """Deployment of engine group ``group`` (``spec.engineGroups[].name``); "" = the single-model ``P-engine``.
+    """Deployment (and, for a multi-model pool, headless Service) of engine group ``group``
+    (``spec.engineGroups[].name``); "" = the single-model ``P-engine``.
 
-    Unique among every pool's children: group names exclude the words ``engine`` and
-    ``routerd`` (``gen_crds.RESERVED_GROUP_WORDS``).
+    Unique among every pool's children: group names exclude the words ``engine``, ``routerd``
+    and ``epp`` (``gen_crds.RESERVED_GROUP_WORDS``), so no pool's ``<q>-engine``, ``<q>-routerd``
+    or ``<q>-epp`` can take this name.
     """
     return f"{engine_name(pool)}-{group}" if group else engine_name(pool)
 
@@ -267,9 +269,9 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
     """routerd's settings for the pool: what :class:`routerd.daemon.config.Settings` validates.
 
     Endpoints come from the EndpointSlices of the engine Service (ports ``http`` and
-    ``state``), which selects the pods of every engine group, or, when a group sets its own
-    profile, from those of the per-group Services (:func:`group_services`), each endpoint with
-    its group's profile (``kubernetes.selector``, ``profile_label``, ``profiles``); ``models`` lists each
+    ``state``) for a single-model pool, or from those of the per-group Services of a multi-model
+    one (:func:`group_services`), each endpoint with its group's profile where the group sets one
+    (``kubernetes.selector``, ``profile_label``, ``profiles``); ``models`` lists each
     group's served name once, in spec order; the profile is a shipped name or :data:`PROFILE_FILE`; policy ``dqn``
     loads its checkpoint from :data:`CHECKPOINT_DIR`; the predictor is ``predictor.name``
     (``none`` turns it off), the volume's folder under :data:`PREDICTOR_DIR`, or, when
@@ -299,9 +301,9 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
                   "http_port_name": "http", "state_port_name": "state"}
     if spec.routing.precise_prefix:
         kubernetes["kv_events_port_name"] = KV_EVENTS_PORT_NAME
-    if spec.mixed_profiles:
-        # Each group's own Service (group_services): its slices carry the group label, and the
-        # group its profile; groups without one keep the pool's.
+    if spec.multi_model:
+        # Each group's own Service (group_services): its slices carry the group label, and a
+        # group with its own profile gives it to its endpoints; the others keep the pool's.
         kubernetes["selector"] = f"{LABEL_POOL}={pool.name},{LABEL_COMPONENT}={GROUP_SERVICE_COMPONENT}"
         kubernetes["profile_label"] = LABEL_ENGINE_GROUP
         kubernetes["profiles"] = {g.name: group_profile_file(g) for g in own_profile_groups(spec)}
@@ -713,16 +715,26 @@ def engine_service(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
 
 
 def group_services(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
-    """With a group that sets its own profile (``spec.mixed_profiles``): ``P-engine-G`` per group,
-    headless, selecting that group's pods, labelled with :data:`LABEL_ENGINE_GROUP` and component
+    """A multi-model pool's (``spec.engineGroups``) ``P-engine-G`` per group: headless, selecting
+    that group's pods, labelled with :data:`LABEL_ENGINE_GROUP` and component
     :data:`GROUP_SERVICE_COMPONENT`. The API server copies a Service's labels to its EndpointSlices,
     so routerd watches these slices by label and learns each endpoint's group, and so its profile
-    (:func:`routerd_settings`). Empty otherwise (the pool renders as before the field existed)."""
-    if not spec.mixed_profiles:
+    when the group sets one (:func:`routerd_settings`). Rendered whether or not a group sets a
+    profile, so that giving a group one (or taking it away) changes only routerd's settings: the
+    Services routerd's running pods watch stay. Empty for a single-model pool.
+
+    Raises:
+        SpecError: a Service name longer than 63 characters (a DNS-1035 label), naming the group.
+    """
+    if not spec.multi_model:
         return []
     out = []
     for g in spec.groups():
-        meta = _meta(pool, engine_group_name(pool.name, g.name), GROUP_SERVICE_COMPONENT)
+        name = engine_group_name(pool.name, g.name)
+        if len(name) > 63:
+            raise SpecError(g.field("name"), f"the group's Service {name} would be {len(name)} characters, "
+                            "more than the 63 of a Service name: shorten the pool or group name")
+        meta = _meta(pool, name, GROUP_SERVICE_COMPONENT)
         meta["labels"][LABEL_ENGINE_GROUP] = g.name
         out.append({"apiVersion": "v1", "kind": "Service", "metadata": meta,
                     "spec": {"clusterIP": "None", "selector": engine_selector(pool.name, g.name),

@@ -38,10 +38,11 @@ JOB_NAME_MAX = 52
 GROUP_NAME_MAX = 20
 GROUP_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 #: Words a group name may not contain as a dash-separated part: with them ``<pool>-engine-<group>``
-#: could equal another pool's ``<q>-engine``, ``<q>-routerd`` or ``<q>-engine-<h>`` (e.g. pool ``a``,
-#: group ``b-routerd`` and pool ``a-engine-b``'s routerd), and server-side apply would take it over.
-RESERVED_GROUP_WORDS = ("engine", "routerd")
-GROUP_NAME_RESERVED = r"(^|-)(engine|routerd)(-|$)"
+#: could equal another pool's ``<q>-engine``, ``<q>-routerd``, ``<q>-epp`` or ``<q>-engine-<h>``
+#: (e.g. pool ``a``, group ``b-routerd`` and pool ``a-engine-b``'s routerd; group ``epp`` and pool
+#: ``a-engine``'s picker), and server-side apply would take it over.
+RESERVED_GROUP_WORDS = ("engine", "routerd", "epp")
+GROUP_NAME_RESERVED = r"(^|-)(engine|routerd|epp)(-|$)"
 #: Most engine groups in one pool (bounds the CEL rules' cost and the status object).
 MAX_ENGINE_GROUPS = 16
 
@@ -537,12 +538,13 @@ def pool_spec_schema() -> dict[str, Any]:
     group = _o("One model with its own engine Deployment <pool>-engine-<name>. Every field left out is the "
                "pool's spec.engine value; one that is set replaces it (lists and maps are not merged).", {
         "name": _s(f"Group name: a DNS-1123 label of at most {GROUP_NAME_MAX} characters, unique in the pool, "
-                   "without the words engine or routerd (so <pool>-engine-<name> is no other pool's child). "
+                   "without the words engine, routerd or epp (so <pool>-engine-<name> is no other pool's child). "
                    "Labels the group's pods phasewise.io/engine-group.",
                    minLength=1, maxLength=GROUP_NAME_MAX, pattern=GROUP_NAME_PATTERN,
                    **{"x-kubernetes-validations": [
                        _rule(f"!self.matches('{GROUP_NAME_RESERVED}')",
-                             "a group name must not contain the word engine or routerd", reason="FieldValueInvalid"),
+                             "a group name must not contain the word engine, routerd or epp",
+                             reason="FieldValueInvalid"),
                    ]}),
         "model": model("The model this group's instances serve."),
         "replicas": _i("Number of this group's instances (default: spec.engine.replicas).", minimum=0,
@@ -562,9 +564,9 @@ def pool_spec_schema() -> dict[str, Any]:
                                       "group's pods (default: spec.engine.topologySpreadConstraints)."},
         "hardwareProfile": {**{k: copy.deepcopy(v) for k, v in profile.items() if k != "default"},
                             "description": "This group's hardware profile (its GPU type), of the pool profile's "
-                            "model and block size (default: spec.hardwareProfile). With one set, every group "
-                            "gets its own Service <pool>-engine-<name>, routerd learns each instance's profile "
-                            "from it (a mixed-GPU pool), and an emulated group runs at its profile's speed."},
+                            "model and block size (default: spec.hardwareProfile). routerd learns each instance's "
+                            "profile from its group's Service <pool>-engine-<name> (a mixed-GPU pool), and an "
+                            "emulated group runs at its profile's speed."},
     }, required=["name", "model"])
     return _o("Desired state of the pool. Set exactly one of model (one model) and engineGroups (several).", {
         "model": model("The model every instance serves (a single-model pool; exclusive with engineGroups)."),

@@ -409,9 +409,9 @@ class EngineGroupSpec(_Spec):
     @classmethod
     def _not_reserved(cls, v: str) -> str:
         if re.search(GROUP_NAME_RESERVED, v):
-            raise ValueError(f"group name {v!r} must not contain the word "
-                             f"{' or '.join(RESERVED_GROUP_WORDS)} (its Deployment <pool>-engine-{v} "
-                             "could be another pool's child)")
+            words = f"{', '.join(RESERVED_GROUP_WORDS[:-1])} or {RESERVED_GROUP_WORDS[-1]}"
+            raise ValueError(f"group name {v!r} must not contain the word {words} (its Deployment and "
+                             f"Service <pool>-engine-{v} could be another pool's child)")
         return v
 
 
@@ -797,7 +797,10 @@ def resolve_profile(spec: PoolSpec, *, pool_name: str, group: EngineGroup | None
     data = base.model_dump()
     data.update(inline.terms())
     data["name"] = f"{pool_name}-inline"
-    data["model"] = profile_model(base)  # its name no longer says the model (check_pool compares them)
+    if spec.mixed_profiles:
+        # Its name no longer says the model, and check_pool compares models. Only in a mixed pool:
+        # elsewhere the file stays as it was (a changed profile.yaml restarts emulated pools).
+        data["model"] = profile_model(base)
     data["description"] = inline.description or f"inline profile of pool {pool_name}, based on {base_name}"
     data["sources"] = {}
     try:

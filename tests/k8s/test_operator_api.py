@@ -530,16 +530,23 @@ def test_groups_with_their_own_profile_reach_routerd_through_their_services_slic
     by_group = {p: ("b" if "-engine-b-" in p else "a") for p in pods}
     assert {e.name: e.profile for e in eps} == {
         p: ("/etc/phasewise/profile-b.yaml" if g == "b" else None) for p, g in by_group.items()}
-    # No group with its own profile any more: the group Services go, routerd watches P-engine again.
+    # No group with its own profile any more: only routerd's settings change; the group Services
+    # its running pods watch stay, so they keep every endpoint (now all on the pool's profile).
+    uids = {g: kube.get("v1", "Service", namespace, f"mx-engine-{g}")["metadata"]["uid"] for g in "ab"}
     groups[1].pop("hardwareProfile")
     apply(k8s, namespace, groups_pool_yaml("mx", groups, engine={"replicas": 1},
                                            hardwareProfile={"name": "llama3.1-8b-h100"}))
-    wait_for(lambda: kube.get("v1", "Service", namespace, "mx-engine-b") is None
-             and kube.get("v1", "Service", namespace, "mx-engine-a") is None,
-             what="the group Services deleted once no group sets a profile")
-    cm = kube.get("v1", "ConfigMap", namespace, "mx-routerd")
-    assert "selector" not in yaml.safe_load(cm["data"]["routerd.yaml"])["kubernetes"]
-    assert "profile-b.yaml" not in cm["data"]
+    cm = wait_for(lambda: (lambda c: c if "profile-b.yaml" not in c["data"] else None)(
+        kube.get("v1", "ConfigMap", namespace, "mx-routerd")), what="group b's profile file gone")
+    k = yaml.safe_load(cm["data"]["routerd.yaml"])["kubernetes"]
+    assert k["profiles"] == {} and k["selector"] == settings.kubernetes.selector
+    assert {g: kube.get("v1", "Service", namespace, f"mx-engine-{g}")["metadata"]["uid"] for g in "ab"} == uids
+    # A group removed: its Service goes with its Deployment.
+    apply(k8s, namespace, groups_pool_yaml("mx", groups[:1], engine={"replicas": 1},
+                                           hardwareProfile={"name": "llama3.1-8b-h100"}))
+    wait_for(lambda: kube.get("v1", "Service", namespace, "mx-engine-b") is None,
+             what="group b's Service deleted with the group")
+    assert kube.get("v1", "Service", namespace, "mx-engine-a")["metadata"]["uid"] == uids["a"]
 
 
 def test_restart_adopts_and_duplicates_nothing(k8s, kube, operator, namespace):
