@@ -405,7 +405,11 @@ def test_group_rules_are_cel_with_the_operators_patterns():
     # No override has a default: an unset one means "the pool's spec.engine value".
     for field, node in groups["items"]["properties"].items():
         assert "default" not in node, field
-    assert set(groups["items"]["properties"]) - {"name", "model"} <= set(spec["properties"]["engine"]["properties"])
+    overrides = set(groups["items"]["properties"]) - {"name", "model", "hardwareProfile"}
+    assert overrides <= set(spec["properties"]["engine"]["properties"])
+    # A group's own profile is the pool's hardwareProfile field, without its default.
+    own = groups["items"]["properties"]["hardwareProfile"]
+    assert own["properties"] == spec["properties"]["hardwareProfile"]["properties"]
 
 
 def test_names_too_long_for_the_children_are_rejected():

@@ -997,7 +997,9 @@ class PodProcesses:
                 if kubeconfig is not None and any(m.get("mountPath") == SA_MOUNT
                                                   for m in c.get("volumeMounts") or []):
                     full["KUBECONFIG"] = str(kubeconfig)
-                argv = [_expand(self._rewrite(a, mounts, ip), env) for a in plan.argv]
+                # The executable is this machine's own (a venv that may live under a pod's mount
+                # path, e.g. a clone in /tmp): only the container's arguments are the pod's view.
+                argv = [plan.argv[0], *(_expand(self._rewrite(a, mounts, ip), env) for a in plan.argv[1:])]
                 log = open(d / f"{cname}.log", "ab")
                 try:
                     log.write(f"==== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n".encode())
