@@ -86,7 +86,8 @@ class _Conn(asyncio.Protocol):
         self.got_bytes = False
         self.head: asyncio.Future | None = None
         self.done: asyncio.Future | None = None
-        self.sink: Callable[[bytes], None] | None = None
+        self.sink: Callable[..., None] | None = None
+        self.framed = False  # the sink also takes a piece's chunk as read (Exchange.relay)
         self.pending: list[bytes] = []
         self.remaining = 0
         self.status = 0
@@ -120,15 +121,18 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.last_rx = self._time()
         if self.state == _CHUNK_SIZE and not self.buf and self.sink is not None:
-            # Fast path: the read is exactly one whole chunk (one SSE event, the usual case).
-            i = data.find(b"\r\n", 0, 18)
-            if i > 0:
-                try:
-                    size = int(data[:i], 16)
-                except ValueError:
-                    size = -1
-                if size > 0 and len(data) == i + size + 4 and data.endswith(b"\r\n"):
-                    self.sink(data[i + 2:-2])
+            # Fast path: the read is exactly one whole chunk (one SSE event, the usual case),
+            # framed as routerd's HTTP server frames one (lower-case hex size without leading
+            # zeros or extensions, as vLLM's h11 writes it): for a ``framed`` sink the read goes
+            # to a chunked client as it is, one write. Other framings take the general path.
+            i = data.find(b"\r\n")  # (bounds given to find cost more than they save)
+            if 0 < i < 18:
+                size = len(data) - i - 4
+                if size > 0 and data.endswith(b"\r\n") and data[:i] == b"%x" % size:
+                    if self.framed:
+                        self.sink(data[i + 2:-2], data)
+                    else:
+                        self.sink(data[i + 2:-2])
                     return
         if self.state == _DONE:
             # Bytes nobody asked for (after a complete response): the connection is unusable.
@@ -224,20 +228,24 @@ class _Conn(asyncio.Protocol):
             self.keep_alive = False
         return True
 
-    def _emit(self, pieces: list[bytes]) -> None:
+    def _emit(self, pieces: list[bytes], last: bool) -> None:
         # One sink call per read, whatever the framing split it into: one write to the client.
         piece = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         sink = self.sink
-        if sink is not None:
-            sink(piece)
-        else:
+        if sink is None:
             self.pending.append(piece)
+        elif self.framed:
+            sink(piece, None, last)
+        else:
+            sink(piece)
 
     def _body(self, data: bytes) -> None:
         out: list[bytes] = []
         self._decode(data, out)
         if out:
-            self._emit(out)
+            # ``last``: this read ended the response (a failure has settled ``done`` already).
+            d = self.done
+            self._emit(out, self.state == _DONE and d is not None and not d.done())
         if self.state == _DONE and not self.closed:
             self._finish()
 
@@ -445,8 +453,15 @@ class Exchange:
             raise c.done.exception()  # type: ignore[misc]
         return b"".join(c.pending)
 
-    async def relay(self, sink: Callable[[bytes], None]) -> None:
+    async def relay(self, sink: Callable[..., None], framed: bool = False) -> None:
         """Call ``sink`` with each body piece as it arrives (from ``data_received``); return at the end.
+
+        ``framed``: ``sink`` takes two more arguments, ``chunk`` and ``last``. ``chunk``: when a
+        read is exactly one chunk of a chunked body, framed as routerd's HTTP server frames one
+        (``b"%x\\r\\n" % len(piece) + piece + b"\\r\\n"``), that read, to write to a chunked
+        client unchanged (one buffer instead of three: 0.6 us of CPU per streamed token with
+        uvloop), else None. ``last``: the read that brought the piece also ended the body, so
+        the piece may be written with the end of the client's body (one write instead of two).
 
         Raises:
             UpstreamBroken, UpstreamTimeout: the body broke off or stalled.
@@ -457,6 +472,7 @@ class Exchange:
             sink(piece)
         if c.state != _DONE:
             c.sink = sink
+            c.framed = framed
             await c.done
         elif c.done is not None and c.done.done() and c.done.exception() is not None:
             raise c.done.exception()  # type: ignore[misc]
