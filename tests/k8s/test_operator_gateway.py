@@ -124,8 +124,12 @@ def test_gateway_pool_gets_its_inference_pool_picker_and_parents_status(k8s, kub
         wait_for(lambda: len(kube.list("v1", "Pod", ns, label_selector="phasewise.io/pool=chat,"
                                        "app.kubernetes.io/component=engine")) == 2, timeout=30, what="2 engine pods")
         make_pods_ready(kube, ns, "phasewise.io/pool=chat,app.kubernetes.io/component=engine")
-        up = wait_for(lambda: cond("InferencePoolReady", "Ready"), timeout=30, what="InferencePoolReady")
-        assert up["status"] == "True" and "2/2 ready endpoints on port 8000" in up["message"]
+        # The EndpointSlice controller may publish the two pods in separate writes, so the condition
+        # can pass through "1/1" on its way; wait for the state with both.
+        up = wait_for(lambda: (c := cond("InferencePoolReady", "Ready")) is not None
+                      and "2/2 ready endpoints on port 8000" in c["message"] and c,
+                      timeout=30, what="InferencePoolReady with 2/2 ready endpoints")
+        assert up["status"] == "True"
 
     # The section removed: the operator deletes what it made for it, and its conditions go.
     apply(k8s, ns, gateway_pool("chat", None))
