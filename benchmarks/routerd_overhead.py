@@ -15,6 +15,7 @@ backends directly (clients split evenly), then through ``python -m routerd.daemo
 Usage: python benchmarks/routerd_overhead.py [--seconds 15] [--concurrency 128] [--tokens 64]
        [--policy round_robin] [--event-loop auto|asyncio|uvloop] [--router routerd|floor|floor-c]
        [--predictors default[,none,...]] [--baseline PATH --rounds N]
+       [--prefix-modes approximate,off --rounds N]
 
 ``--predictors`` runs routerd once per predictor spec after the one direct run (so each
 is measured against the same baseline); ``default`` (routerd's default since issue #17)
@@ -24,8 +25,14 @@ is the shipped n-gram model, ``none`` the setting of the figures measured before
 ``PYTHONPATH``, e.g. a ``git worktree`` of the commit to compare against) in the same
 run: ``--rounds`` rounds of direct, this checkout and the baseline, the two routerds in
 ABBA order so that neither always runs first, and prints each figure's median and the
-ratio this/baseline. On a 2-core machine one run's added TTFT spreads 2-4x between
-runs of the same code (session 23: 9-38 ms), so a single pair says little.
+ratio this/baseline, then per figure the median of the per-round ratios with a 95% bootstrap
+interval (seeded). On a 2-core machine one run's added TTFT spreads 2-4x between runs of the
+same code (session 23: 9-38 ms), so a single pair says little.
+
+``--prefix-modes A,B`` measures this checkout's routerd with ``--prefix-mode A`` against
+``--prefix-mode B`` the same way (issue #14: CPU per request and throughput with prefix scoring
+against without; give a prefix-aware ``--policy`` such as ``phasewise`` or ``llmd``, and
+``--prompt-chars`` for longer prompts).
 Targets: >= 95% of direct throughput, <= 3 ms added to p50 TTFT and E2E, <= 1.5 ms CPU/request.
 """
 
@@ -261,7 +268,11 @@ def main() -> None:
     ap.add_argument("--baseline", default="",
                     help="another checkout's root (e.g. a git worktree): its routerd is measured in the same run, "
                          "alternating with this one's, and the ratios printed")
-    ap.add_argument("--rounds", type=int, default=4, help="rounds with --baseline (each: direct, both routerds)")
+    ap.add_argument("--prefix-modes", default="",
+                    help="two routerd --prefix-mode values, e.g. approximate,off: both measured in the same run "
+                         "(alternating, --rounds rounds) with --policy, and the ratios first/second printed")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="rounds with --baseline or --prefix-modes (each: direct, then both routerds)")
     ap.add_argument("--mode", default="main", choices=["main", "backend", "load"], help=argparse.SUPPRESS)
     ap.add_argument("--ports", default="", help=argparse.SUPPRESS)
     ap.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
@@ -275,6 +286,17 @@ def main() -> None:
         return
     if a.prompt_chars < 1:
         ap.error("--prompt-chars must be >= 1")
+    os.environ["PHASEWISE_BENCH_PROMPT_CHARS"] = str(a.prompt_chars)  # read by the load processes
+    if a.prefix_modes:
+        modes = [m.strip() for m in a.prefix_modes.split(",")]
+        if len(modes) != 2 or not set(modes) <= {"off", "approximate", "precise"} or modes[0] == modes[1]:
+            ap.error(f"--prefix-modes: two different values of off, approximate, precise; got {a.prefix_modes!r}")
+        if a.baseline or a.router != "routerd":
+            ap.error("--prefix-modes compares two routerd settings of this checkout: not with --baseline or --router")
+        if a.rounds < 1:
+            ap.error("--rounds must be >= 1")
+        compare(a, {f"prefix={m}": (ROOT, ["--prefix-mode", m]) for m in modes})
+        return
     if a.baseline:
         if a.router != "routerd":
             ap.error("--baseline compares two routerds: it needs --router routerd")
@@ -282,9 +304,8 @@ def main() -> None:
             ap.error(f"--baseline {a.baseline}: no routerd/routerd/daemon there (give a checkout's root)")
         if a.rounds < 1:
             ap.error("--rounds must be >= 1")
-        compare(a)
+        compare(a, {"this": (ROOT, []), "baseline": (Path(a.baseline).resolve(), [])})
         return
-    os.environ["PHASEWISE_BENCH_PROMPT_CHARS"] = str(a.prompt_chars)
     py = sys.executable
     me = str(Path(__file__).resolve())
     b1, b2, rp = _free_ports(3)
@@ -344,34 +365,37 @@ def _routerd_cmd(py: str, a, rp: int, b1: int, b2: int, spec: str) -> list[str]:
             "--endpoint", f"a=http://127.0.0.1:{b1}", "--endpoint", f"b=http://127.0.0.1:{b2}"]
 
 
-def compare(a) -> None:
-    """This checkout's routerd against ``a.baseline``'s, alternated over ``a.rounds`` rounds.
+def compare(a, variants: dict[str, tuple[Path, list[str]]]) -> None:
+    """Two routerds, alternated over ``a.rounds`` rounds: ``variants`` maps each one's name to
+    (the checkout whose ``routerd`` is on its ``PYTHONPATH``, extra routerd arguments); the first
+    is compared to the second.
 
     Each round loads the backends directly, then through both routerds (order ABBA over
     rounds), so each routerd figure has a direct figure of the same round beside it.
     Prints per-round rows and, per routerd, the median of throughput kept (% of direct),
-    added p50 TTFT and E2E (ms over direct) and CPU per request (ms), and the ratios
-    this/baseline of those medians.
+    added p50 TTFT and E2E (ms over direct) and CPU per request (ms), the ratios
+    first/second of those medians, and the per-round ratios' median with its interval.
     """
     py = sys.executable
     me = str(Path(__file__).resolve())
     spec = [x.strip() for x in a.predictors.split(",") if x.strip()][0]
-    roots = {"this": ROOT, "baseline": Path(a.baseline).resolve()}
+    names = list(variants)
     b1, b2, rp = _free_ports(3)
     load = [py, me, "--mode", "load", "--concurrency", str(a.concurrency), "--seconds", str(a.seconds),
             "--warmup", str(a.warmup), "--tokens", str(a.tokens)]
-    rows: dict[str, list[dict]] = {"this": [], "baseline": []}
+    rows: dict[str, list[dict]] = {n: [] for n in names}
     backends = [subprocess.Popen([py, me, "--mode", "backend", "--ports", str(p)]) for p in (b1, b2)]
     try:
         for p in (b1, b2):
             _wait_port(p)
         for k in range(a.rounds):
             direct = json.loads(subprocess.check_output(load + ["--ports", f"{b1},{b2}"]))
-            order = ["this", "baseline"] if k % 2 == 0 else ["baseline", "this"]
+            order = names if k % 2 == 0 else names[::-1]
             for name in order:
+                root, extra = variants[name]
                 env = {**os.environ, "PHASEWISE_EVENT_LOOP": a.event_loop, "PHASEWISE_RELOAD__WATCH": "false",
-                       "PYTHONPATH": str(roots[name] / "routerd") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-                router = subprocess.Popen(_routerd_cmd(py, a, rp, b1, b2, spec), env=env, cwd=str(roots[name]))
+                       "PYTHONPATH": str(root / "routerd") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+                router = subprocess.Popen(_routerd_cmd(py, a, rp, b1, b2, spec) + extra, env=env, cwd=str(root))
                 try:
                     _wait_port(rp)
                     via = json.loads(subprocess.check_output(load + ["--ports", str(rp), "--pid", str(router.pid)]))
@@ -392,14 +416,34 @@ def compare(a) -> None:
         for p in backends:
             p.wait()
     print(f"setting: {a.concurrency} concurrent streams, {a.tokens} tokens at 5 ms after 20 ms, 2 backends, "
-          f"{a.seconds:g} s (+{a.warmup:g} s warm-up) x {a.rounds} rounds, policy {a.policy}; "
-          f"baseline {roots['baseline']}")
+          f"{a.seconds:g} s (+{a.warmup:g} s warm-up) x {a.rounds} rounds, policy {a.policy}, prompt "
+          f"{a.prompt_chars} characters; " + "; ".join(f"{n}: {r} {' '.join(x)}".rstrip() for n, (r, x) in variants.items()))
     med = {n: {f: statistics.median(r[f] for r in rs) for f in rs[0]} for n, rs in rows.items()}
     for f, label in (("kept_pct", "throughput kept (%)"), ("added_ttft_ms", "added p50 TTFT (ms)"),
                      ("added_e2e_ms", "added p50 E2E (ms)"), ("cpu_ms", "CPU per request (ms)")):
-        t, b = med["this"][f], med["baseline"][f]
+        t, b = med[names[0]][f], med[names[1]][f]
         ratio = f"{t / b:.3f}" if b else "n/a"
-        print(f"median {label:22s} this {t:8.2f}  baseline {b:8.2f}  ratio {ratio}")
+        print(f"median {label:22s} {names[0]} {t:8.2f}  {names[1]} {b:8.2f}  ratio {ratio}")
+    # Paired by round: the two routerds of a round share its minutes of this machine's speed, so
+    # the per-round ratio removes the drift between rounds that the medians above keep.
+    for f, label in (("kept_pct", "throughput kept"), ("added_ttft_ms", "added p50 TTFT"),
+                     ("added_e2e_ms", "added p50 E2E"), ("cpu_ms", "CPU per request")):
+        ratios = [t[f] / b[f] for t, b in zip(rows[names[0]], rows[names[1]]) if b[f] > 0]
+        if not ratios:
+            continue
+        lo, hi = _bootstrap_median_interval(ratios)
+        print(f"paired {label:22s} median of per-round ratios {statistics.median(ratios):.3f} "
+              f"(95% bootstrap interval {lo:.3f}-{hi:.3f}, {len(ratios)} rounds)")
+
+
+def _bootstrap_median_interval(xs: list[float], n: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """2.5th and 97.5th percentiles of the median of ``xs`` resampled with replacement ``n``
+    times (a seeded generator: the same figures for the same rounds)."""
+    import random
+
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ from routerd.policies.base import (
     pick_cheapest,
 )
 from routerd.policies.kv_headroom import blocks_for, predicted_footprint_tokens, waiting_kv_blocks
-from routerd.prefix.index import PrefixIndex, PrefixSource, cached_blocks, pending_prefill_work
+from routerd.prefix.index import PrefixIndex, PrefixSource, pending_prefill_work
 
 
 class Params(PolicyParams):
@@ -128,9 +128,26 @@ class Phasewise(RoutingPolicy):
         unfit: list[tuple[float, int]] = []
         w_dec, w_int, w_pre = p.decode_weight, p.interference_weight, p.preemption_weight
         keep = 1.0 - p.reserve_fraction
-        index, source = self._index, p.prefix_source
+        index = self._index
+        precise = p.prefix_source == "precise" and prefix is not None
+        n_blocks = prefix.num_blocks if prefix is not None else 0
+        # The helpers (cached_blocks, pending_prefill_work, waiting_kv_blocks) inlined: this loop
+        # is most of a decision's cost (benchmarks/prefix_decision_cost.py), and the calls were
+        # 12% of it at 8 instances (measured alternately, session 28).
         for inst in view.instances:
-            h = cached_blocks(inst, prefix, index, source) if prefix is not None else 0
+            if prefix is None:
+                h = 0
+            else:
+                h = None
+                if precise:  # the engine's KV events; its approximate index where it cannot answer
+                    ecb = getattr(inst, "engine_cached_blocks", None)
+                    if ecb is not None:
+                        h = ecb(prefix)
+                        if h is not None:
+                            h = int(h)
+                            h = 0 if h < 0 else (h if h < n_blocks else n_blocks)
+                if h is None:
+                    h = index.match(inst.index, prefix)
             cached = bs * h
             u = prompt - cached
             if u < 1:
@@ -142,28 +159,29 @@ class Phasewise(RoutingPolicy):
             t_dec = a + k_seq * B + k_ctx * s.sum_prompt_and_predicted
             k = k_pf + t_dec / budget
             attn = k_attn * u * (cached + u)
-            ppw = getattr(inst, "pending_prefill_work", None)  # the helper's fast path, inline
-            if ppw is not None:
-                q_tokens, q_attended = ppw()
-                q_tokens, q_attended = int(q_tokens), int(q_attended)
-            else:
-                q_tokens, q_attended = pending_prefill_work(inst)
+            ppw = getattr(inst, "pending_prefill_work", None)
+            q_tokens, q_attended = ppw() if ppw is not None else pending_prefill_work(inst)
             ttft = k * (q_tokens + u) + k_attn * q_attended + attn
             cost = ttft + w_dec * out * (t_dec + own_step) + w_int * B * (k_pf * u + attn)
             usable = int(inst.kv_total_blocks * keep)
-            need = min(need_full - h, usable)
-            wkv = getattr(inst, "waiting_kv_blocks", None)  # the helper's fast path, inline
-            deficit = need - (usable - inst.kv_used_blocks - (wkv() if wkv is not None else waiting_kv_blocks(inst)))
-            fits = inst.num_running + inst.num_waiting < max_seqs and deficit <= 0
+            need = need_full - h
+            if need > usable:
+                need = usable
+            wkv = getattr(inst, "waiting_kv_blocks", None)
+            deficit = need - usable + inst.kv_used_blocks + (wkv() if wkv is not None else waiting_kv_blocks(inst))
             if deficit > 0:
                 # vLLM makes room by preempting and later recomputing about as many tokens.
                 cost += w_pre * deficit * bs * k
-            (fit if fits else unfit).append((cost, inst.index))
+                unfit.append((cost, inst.index))
+            elif inst.num_running + inst.num_waiting < max_seqs:
+                fit.append((cost, inst.index))
+            else:
+                unfit.append((cost, inst.index))
         # Exact ties (1e-12 s) always at random; near-ties too with ctx.near_tie.
         scored = fit or (None if p.hold else unfit)
         if not scored:
             return None
         choice = pick_cheapest(scored, self.ctx.near_tie, self._rng)
         if prefix is not None:
-            self._index.insert(choice, prefix, view.now)
+            index.insert(choice, prefix, view.now)
         return choice
