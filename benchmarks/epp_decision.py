@@ -7,8 +7,10 @@ CPU. Here a :class:`routerd.daemon.app.Daemon` (no HTTP front, static endpoints,
 builds it) serves :class:`routerd.epp.server.ExtProcServicer` directly: each request is the message
 sequence Envoy sends (request headers, then the JSON body with end of stream), driven through the
 servicer's own ``Process`` coroutine, and its answers (destination header and metadata, the body
-echoed back) are read; a response-headers message with end of stream then completes the booking,
-as Envoy's response phase does.
+echoed back) are read; the stream then ends, as Envoy ends it in efficient mode, and the request's
+access-log entry (a 64-token streamed answer, with the Lua filter's metadata) releases the booking,
+``--inflight`` requests later: that many stay booked while each decision is made, as under load
+(efficient mode books them ``blind``: routerd never sees their first token).
 
 Two figures per setting, both the thread's CPU clock (``time.thread_time``: the cost, not the
 time others ran):
@@ -26,7 +28,7 @@ collections between requests, CPython's own only as a backstop). Settings: ``--e
 runs by default), ``--prompt-chars`` of prompt text, ``--prefix`` mode.
 
 Usage: python benchmarks/epp_decision.py [--n 3000] [--endpoints 2,8] [--policies round_robin,phasewise]
-       [--predictor default] [--prompt-chars 240] [--prefix off]
+       [--predictor default] [--prompt-chars 240] [--prefix off] [--inflight 0,128]
 """
 
 from __future__ import annotations
@@ -38,19 +40,23 @@ import json
 import random
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
+from google.protobuf import struct_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "routerd"))
 
-from envoy.config.core.v3 import base_pb2  # noqa: E402
+from envoy.config.core.v3 import address_pb2, base_pb2  # noqa: E402
+from envoy.data.accesslog.v3 import accesslog_pb2  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
 
 from routerd.daemon.app import Daemon  # noqa: E402
 from routerd.daemon.collector import BACKSTOP, THRESHOLDS, CollectorPacer  # noqa: E402
 from routerd.daemon.config import Settings  # noqa: E402
+from routerd.epp.names import DEST_HEADER, LUA_NAMESPACE, REQUEST_ID_HEADER  # noqa: E402
 from routerd.epp.server import EppServer  # noqa: E402
 
 
@@ -66,12 +72,9 @@ def _messages(body: bytes) -> list[pb.ProcessingRequest]:
             pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]
 
 
-_DONE = pb.ProcessingRequest(response_headers=_headers({":status": "200", "content-type": "application/json"},
-                                                       eos=True))
-
-
 class _Feed:
-    """An async iterator over the request phase, then (once the answers are read) the response's end."""
+    """An async iterator over the request phase, ended (as Envoy ends the ext_proc stream in
+    efficient mode, right after the request phase is answered) once ``finish`` is set."""
 
     def __init__(self, msgs: list[pb.ProcessingRequest]) -> None:
         self.msgs = list(msgs)
@@ -83,16 +86,31 @@ class _Feed:
     async def __anext__(self) -> pb.ProcessingRequest:
         if self.msgs:
             return self.msgs.pop(0)
-        if self.finish.is_set():
-            raise StopAsyncIteration
         await self.finish.wait()
-        self.finish.clear()
-        self.msgs = [_DONE]
-        return self.msgs.pop(0)
+        raise StopAsyncIteration
+
+
+def _access_log(rid: str, served: str, tokens: int) -> accesslog_pb2.HTTPAccessLogEntry:
+    """The entry Envoy's gRPC access logger sends for a finished streamed answer of ``tokens``
+    SSE events (the shipped Lua filter's metadata: events, sse, tail), as efficient mode reads it."""
+    e = accesslog_pb2.HTTPAccessLogEntry()
+    e.request.request_headers[REQUEST_ID_HEADER] = rid
+    e.request.path = "/v1/completions"
+    e.response.response_code.value = 200
+    cp = e.common_properties
+    cp.start_time.GetCurrentTime()
+    cp.time_to_last_downstream_tx_byte.FromMilliseconds(400)
+    host, port = served.split(",")[0].rsplit(":", 1)
+    cp.upstream_remote_address.CopyFrom(address_pb2.Address(socket_address=address_pb2.SocketAddress(
+        address=host, port_value=int(port))))
+    md = struct_pb2.Struct()
+    md.update({"events": tokens + 1, "sse": True, "tail": "data: [DONE]\n\n"})
+    cp.metadata.filter_metadata[LUA_NAMESPACE].CopyFrom(md)
+    return e
 
 
 async def measure(policy: str, m: int, n: int, predictor: str, prompt_chars: int, prefix: str,
-                  pacer: CollectorPacer) -> dict[str, float]:
+                  pacer: CollectorPacer, inflight: int = 0) -> dict[str, float]:
     endpoints = [{"name": f"e{i}", "url": f"http://127.0.0.{i + 1}:8000"} for i in range(m)]
     cfg = {"models": ["m"], "endpoints": endpoints, "grpc": {"enabled": False}, "reload": {"watch": False},
            "predictor": predictor, "log_level": "warning", "policy": {"name": policy},
@@ -116,18 +134,29 @@ async def measure(policy: str, m: int, n: int, predictor: str, prompt_chars: int
                           "prompt": " ".join(rng.choices(words, k=prompt_chars // 6))[:prompt_chars]}).encode()
               for _ in range(256)]
     phase: list[float] = []
+    booked: deque[accesslog_pb2.HTTPAccessLogEntry] = deque()
     try:
         for k in range(n):
             feed = _Feed(_messages(bodies[k % len(bodies)]))
             it = servicer.Process(feed, None).__aiter__()
             c = time.thread_time()
-            await it.__anext__()  # destination header and metadata
+            first = await it.__anext__()  # destination header and metadata
             await it.__anext__()  # the body, echoed
             phase.append(time.thread_time() - c)
             feed.finish.set()
-            async for _ in it:  # the response's end: the booking is released
+            async for _ in it:  # Envoy ends the stream after the request phase
                 pass
+            hs = {h.header.key: h.header.raw_value.decode()
+                  for h in first.request_headers.response.header_mutation.set_headers}
+            booked.append(_access_log(hs[REQUEST_ID_HEADER], hs[DEST_HEADER], 64))
+            while len(booked) > inflight:  # the oldest answer ends: its access-log entry releases it
+                servicer.on_access_log(booked.popleft())
             pacer.collect_if_due()  # the picker's collector timer, between requests
+        while booked:
+            servicer.on_access_log(booked.popleft())
+        # Every booking released (the response's end completed it): decisions met no leftovers.
+        left = sum(len(ep.requests) for ep in d.router.endpoints)
+        assert left == 0, f"{left} requests still booked after the run"
     finally:
         await d.stop()
     assert len(seen) == n, (len(seen), n)
@@ -146,6 +175,9 @@ def main() -> None:
     ap.add_argument("--predictor", default="default")
     ap.add_argument("--prompt-chars", type=int, default=240)
     ap.add_argument("--prefix", default="off", choices=["off", "approximate"])
+    ap.add_argument("--inflight", default="0,128",
+                    help="requests kept booked while deciding (efficient mode's blind bookings, released "
+                         "oldest first by their access-log entries; 128: the overhead setting's streams)")
     a = ap.parse_args()
     gc.collect()
     gc.freeze()
@@ -153,13 +185,15 @@ def main() -> None:
     pacer = CollectorPacer()
     print(f"picker decision in process, no gRPC (thread CPU, us; {a.n} requests, first 10% warm-up; predictor "
           f"{a.predictor}, {a.prompt_chars}-char prompts, prefix {a.prefix})")
-    print(f"{'policy':>12} {'endpoints':>9} | {'decision p50':>12} {'p99':>7} | {'request phase p50':>17} {'p99':>7}")
+    print(f"{'policy':>12} {'endpoints':>9} {'in flight':>9} | {'decision p50':>12} {'p99':>7} | "
+          f"{'request phase p50':>17} {'p99':>7}")
     for policy in a.policies.split(","):
         for m in (int(x) for x in a.endpoints.split(",")):
-            r = asyncio.run(measure(policy, m, a.n, a.predictor, a.prompt_chars, a.prefix, pacer))
-            flag = "" if r["decision_p99"] <= 100 else "  decision p99 > 100 us"
-            print(f"{policy:>12} {m:>9} | {r['decision_p50']:12.1f} {r['decision_p99']:7.1f} | "
-                  f"{r['phase_p50']:17.1f} {r['phase_p99']:7.1f}{flag}")
+            for inflight in (int(x) for x in a.inflight.split(",")):
+                r = asyncio.run(measure(policy, m, a.n, a.predictor, a.prompt_chars, a.prefix, pacer, inflight))
+                flag = "" if r["decision_p99"] <= 100 else "  decision p99 > 100 us"
+                print(f"{policy:>12} {m:>9} {inflight:>9} | {r['decision_p50']:12.1f} {r['decision_p99']:7.1f} | "
+                      f"{r['phase_p50']:17.1f} {r['phase_p99']:7.1f}{flag}")
 
 
 if __name__ == "__main__":

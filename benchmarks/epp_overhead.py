@@ -9,7 +9,10 @@ generator (imported, not copied). In one run, each against the same two backends
 - ``envoy-rr``: Envoy alone, round robin over the two backends (same timeouts and circuit breakers);
 - ``epp-full-duplex``: Envoy with the shipped configuration (``build_envoy_config``,
   ``mode="full-duplex"``) + ``phasewise epp --mode full-duplex``: every response chunk echoed;
-- ``epp-efficient``: the same in efficient mode (no response chunk through the picker).
+- ``epp-efficient``: the same in efficient mode (no response chunk through the picker);
+- ``epp-minimal``: Envoy in efficient mode with ``epp_minimal_picker.py``, the protocol's minimum
+  in Python grpc.aio with no routing at all (round robin, nothing parsed): the floor any picker
+  on this transport pays, beside routerd in the same run.
 
 Printed: throughput and its share of direct, p50/p99 TTFT and E2E and the added p50s, CPU ms per
 request of Envoy, of the picker and of routerd separately (user + system from ``/proc/PID/stat``
@@ -266,6 +269,17 @@ def main() -> None:
             results["envoy-rr"] = json.loads(subprocess.check_output(
                 load + ["--ports", str(ep), "--pids", str(e.pid)]))
             stop(e)
+        if not only or "epp-minimal" in only:
+            picker = subprocess.Popen([py, str(HERE / "epp_minimal_picker.py"), str(pp), str(b1), str(b2)], env=env)
+            procs.append(picker)
+            ro._wait_port(pp)
+            e = envoy("epp-minimal", build_envoy_config(listen_port=ep, listen_host="127.0.0.1",
+                                                        picker_address=f"127.0.0.1:{pp}", mode="efficient",
+                                                        admin_port=None))
+            ro._wait_port(ep)
+            results["epp-minimal"] = json.loads(subprocess.check_output(
+                load + ["--ports", str(ep), "--pids", f"{e.pid},{picker.pid}"]))
+            stop(e, picker)
         for mode in ("full-duplex", "efficient"):
             name = f"epp-{mode}"
             if only and name not in only:
@@ -315,7 +329,7 @@ def main() -> None:
               f"{r['ttft_p50_ms'] - d['ttft_p50_ms']:+7.2f} {r['e2e_p50_ms'] - d['e2e_p50_ms']:+7.2f}  {cpus}")
     if "routerd" in results:
         rc = results["routerd"]["cpu_ms"][0]
-        for name in ("epp-full-duplex", "epp-efficient"):
+        for name in ("epp-minimal", "epp-full-duplex", "epp-efficient"):
             if name in results:
                 print(f"{name}: Envoy + picker CPU per request = {sum(results[name]['cpu_ms']) / rc:.2f}x routerd's")
     for name, (p50, p99, pol50, pol99) in decision.items():

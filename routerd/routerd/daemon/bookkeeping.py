@@ -171,6 +171,17 @@ class RequestBook:
         self._n_inexact = 0
         self._n_blind = 0
         """Requests in ``_prefill`` that are ``blind`` (no first-token event will come)."""
+        # The blind requests of ``_prefill`` by themselves: while every one of ``_prefill`` has a
+        # running slot (the usual state: the engine runs all it was sent) they all count as
+        # decoding, and the aggregates follow from these without a scan (see load_summary).
+        self._blind_bins = [0, 0, 0]
+        self._blind_groups: dict[float, _DecodeGroup] = {}
+        self._blind_u = 0
+        """Sum over blind requests in ``_prefill`` of their uncached prompt tokens ``u``."""
+        self._blind_uu = 0
+        """Sum over them of ``u * (c + u)`` (tokens^2)."""
+        self._blind_prefill = 0
+        """Sum over the exact ones of prompt + generated tokens: their prefill term of the JSQ metric."""
         self._groups: dict[float, _DecodeGroup] = {}
         self._summary: LoadSummary | None = None
         self._residents: list[ResidentRequest] | None = None
@@ -187,12 +198,13 @@ class RequestBook:
         r.dispatched_at = now
         self.requests[r.rid] = r
         self._prefill[r.rid] = r
-        self._n_blind += r.blind
         c = r.cached_tokens
         u = r.prompt_tokens - c
         self._prefill_prompt += u
         self._prefill_prompt_sq += u * (c + u)
         tokens = r.prompt_tokens + r.generated
+        if r.blind:
+            self._blind_in(r, u, c, tokens)
         self._prefill_blocks += _blocks(tokens, self.block_size)
         self._sum_tokens += tokens
         if r.exact:
@@ -211,9 +223,10 @@ class RequestBook:
             self._outstanding -= tokens
         r.first_token = True
         del self._prefill[r.rid]
-        self._n_blind -= r.blind
         c = r.cached_tokens
         u = r.prompt_tokens - c
+        if r.blind:
+            self._blind_out(r, u, c, tokens)
         self._prefill_prompt -= u
         self._prefill_prompt_sq -= u * (c + u)
         self._prefill_blocks -= _blocks(tokens, self.block_size)
@@ -247,6 +260,12 @@ class RequestBook:
             # Tokens before the first-token event: a prefill's footprint grows with them.
             if r.exact:
                 self._outstanding += n
+            if r.blind:
+                if r.exact:
+                    self._blind_prefill += n
+                g = self._blind_groups[r.predicted_output]
+                if new > g.max_generated:
+                    g.max_generated = new
             bs = self.block_size
             self._prefill_blocks += _blocks(r.prompt_tokens + new, bs) - _blocks(r.prompt_tokens + old, bs)
         self._summary = self._residents = None
@@ -271,14 +290,50 @@ class RequestBook:
                     g.dirty = True
         else:
             del self._prefill[r.rid]
-            self._n_blind -= r.blind
             c = r.cached_tokens
             u = r.prompt_tokens - c
+            if r.blind:
+                self._blind_out(r, u, c, r.prompt_tokens + r.generated)
             self._prefill_prompt -= u
             self._prefill_prompt_sq -= u * (c + u)
             self._prefill_blocks -= _blocks(r.prompt_tokens + r.generated, self.block_size)
         self._summary = self._residents = None
         return True
+
+    def _blind_in(self, r: Inflight, u: int, c: int, tokens: int) -> None:
+        self._n_blind += 1
+        self._blind_bins[r.load_bin] += 1
+        self._blind_u += u
+        self._blind_uu += u * (c + u)
+        if r.exact:
+            self._blind_prefill += tokens
+        g = self._blind_groups.get(r.predicted_output)
+        if g is None:
+            g = self._blind_groups[r.predicted_output] = _DecodeGroup(r.predicted_output)
+        g.members[r.rid] = r
+        if r.generated > g.max_generated:
+            g.max_generated = r.generated
+
+    def _blind_out(self, r: Inflight, u: int, c: int, tokens: int) -> None:
+        self._n_blind -= 1
+        self._blind_bins[r.load_bin] -= 1
+        self._blind_u -= u
+        self._blind_uu -= u * (c + u)
+        if r.exact:
+            self._blind_prefill -= tokens
+        g = self._blind_groups[r.predicted_output]
+        del g.members[r.rid]
+        if not g.members:
+            del self._blind_groups[r.predicted_output]
+        elif r.generated >= g.max_generated:
+            g.dirty = True
+
+    def _blind_slots(self) -> int:
+        """With blind requests here: 1 when every request before its first token has a running
+        slot (blind ones then decode), -1 when none has (all wait), 0 otherwise (a scan decides)."""
+        n = len(self._prefill)
+        slots = self.num_running - (len(self.requests) - n)
+        return 1 if slots >= n else (-1 if slots <= 0 else 0)
 
     # -- aggregates (what policies read) ------------------------------------------
     def residents(self) -> list[ResidentRequest]:
@@ -313,15 +368,23 @@ class RequestBook:
         Cached until the next event, so every reader of one decision shares one object.
         While a request with an inexact predicted length is here, the sum of prompt +
         predicted tokens is added up in the scan's order instead (O(requests), not cached).
-        While a ``blind`` request has no first token, the whole summary is the scan's
-        (O(requests), not cached): whether it counts as decoding depends on ``num_running``.
+        While a ``blind`` request has no first token, whether it counts as decoding depends on
+        ``num_running`` (not cached): when every request before its first token has a running
+        slot (blind ones decode: efficient-mode picker bookings, non-streaming requests under an
+        engine that runs all it was sent) or none has, from the blind requests' own aggregates;
+        otherwise the scan's (O(requests)).
         """
         s = self._summary
         if s is not None:
             return s
+        blind = 0
         if self._n_blind:
-            # Which blind requests count as decoding depends on ``num_running``: scan.
-            return summarize_residents(self.residents())
+            # Which blind requests count as decoding depends on ``num_running``: all of them or
+            # none from the aggregates (not cached: ``num_running`` changes without an event),
+            # a part by a scan.
+            blind = self._blind_slots()
+            if blind == 0:
+                return summarize_residents(self.residents())
         if self._n_inexact:
             total = 0.0
             for r in self.residents():
@@ -335,8 +398,16 @@ class RequestBook:
                 if min_rem is None or rem < min_rem:
                     min_rem = rem
         b = self._bins
+        if blind == 1:  # every blind request decodes
+            for g in self._blind_groups.values():
+                rem = g.predicted - g.max_gen()
+                if min_rem is None or rem < min_rem:
+                    min_rem = rem
+            bb = self._blind_bins
+            return LoadSummary(len(self._prefill) - self._n_blind, (b[0] + bb[0], b[1] + bb[1], b[2] + bb[2]),
+                               min_rem, len(self.requests), total)
         s = LoadSummary(len(self._prefill), (b[0], b[1], b[2]), min_rem, len(self.requests), total)
-        if not self._n_inexact:
+        if not self._n_inexact and not self._n_blind:
             self._summary = s
         return s
 
@@ -348,7 +419,14 @@ class RequestBook:
         while a ``blind`` request has no first token: whether its prompt still counts
         depends on ``num_running`` (:meth:`residents`), so the helper scans.
         """
-        return self._outstanding if self._n_inexact == 0 and self._n_blind == 0 else None
+        if self._n_inexact:
+            return None
+        if not self._n_blind:
+            return self._outstanding
+        blind = self._blind_slots()
+        if blind == 1:  # every blind request decodes: its prefill term leaves the metric
+            return self._outstanding - self._blind_prefill
+        return self._outstanding if blind == -1 else None
 
     def waiting_kv_blocks(self) -> int:
         """KV blocks the waiting requests need to start (blocks), equal to ``kv_headroom.waiting_kv_blocks``.
@@ -380,6 +458,11 @@ class RequestBook:
         ``blind`` request waits for its first token; otherwise the prefill requests are scanned (a
         blind one in a running slot counts as decoding, :meth:`residents`), never the decoding ones."""
         if not self._n_blind:
+            return self._prefill_prompt, self._prefill_prompt_sq
+        blind = self._blind_slots()
+        if blind == 1:  # every blind request decodes
+            return self._prefill_prompt - self._blind_u, self._prefill_prompt_sq - self._blind_uu
+        if blind == -1:  # every one waits: all prefill work
             return self._prefill_prompt, self._prefill_prompt_sq
         slots = self.num_running - (len(self.requests) - len(self._prefill))
         tokens = attended = 0
