@@ -139,3 +139,58 @@ def test_the_connection_limit_follows_the_open_file_limit(monkeypatch):
     monkeypatch.setattr(resource, "getrlimit", lambda _which: (20, 20))
     assert frontend.effective_max_connections(10_000) == 16  # never below 16 for the file limit
     assert frontend.effective_max_connections(5) == 5  # a configured limit is kept
+
+
+def test_the_sweep_rearms_at_the_earliest_bound_so_a_connection_closes_just_past_it():
+    """The sweep's next run, from a fake clock: each connection's bound (header timeout after it
+    opened without a request; keep-alive + header timeout after its last request), the earliest
+    one still ahead, at least MIN_SWEEP_GAP_S and at most sweep_interval_s away."""
+    from routerd.daemon.frontend import MIN_SWEEP_GAP_S, Frontend, _Conn
+
+    class _Transport:
+        def __init__(self) -> None:
+            self.aborted = False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    async def run() -> None:
+        now = [100.0]
+        closed: list[str] = []
+        f = Frontend(header_timeout_s=2.0, keepalive_timeout_s=3.0, max_connections=10,
+                     on_close=closed.append, clock=lambda: now[0])
+        assert f.sweep_interval_s == 0.5  # min(1, 2/4, 3/4)
+
+        def conn(opened: float, requests: int = 0, idle_since: float = 0.0) -> _Conn:
+            c = _Conn(None, f)
+            c.transport = _Transport()  # type: ignore[assignment]
+            c.opened_at, c.requests, c.idle_since = opened, requests, idle_since or opened
+            f.conns.add(c)
+            return c
+
+        loop = asyncio.get_running_loop()
+        silent = conn(98.3)    # header bound at 100.3
+        later = conn(99.9)     # header bound at 101.9
+        idle = conn(90.0, requests=1, idle_since=95.2)  # idle bound 95.2 + 5 = 100.2
+        assert f.sweep() == 0 and closed == []
+        # The earliest bound ahead is idle's (100.2): 0.2 s away, plus 1 ms.
+        assert abs((f._sweep.when() - loop.time()) - 0.201) < 0.01
+        f.close()
+        now[0] = 100.25
+        assert f.sweep() == 1 and closed == ["idle_timeout"] and idle.transport.aborted
+        f.conns.discard(idle)
+        assert abs((f._sweep.when() - loop.time()) - 0.051) < 0.01  # silent's 100.3
+        f.close()
+        now[0] = 100.299  # a sweep that runs early: the next one is still not sooner than the gap
+        assert f.sweep() == 0
+        assert abs((f._sweep.when() - loop.time()) - MIN_SWEEP_GAP_S) < 0.01
+        f.close()
+        now[0] = 100.31
+        assert f.sweep() == 1 and closed == ["idle_timeout", "header_timeout"] and silent.transport.aborted
+        f.conns.discard(silent)
+        # Only later's bound (101.9) is left, 1.59 s away: the interval (0.5 s) comes first.
+        assert abs((f._sweep.when() - loop.time()) - 0.5) < 0.01
+        assert not later.transport.aborted
+        f.close()
+
+    asyncio.run(run())

@@ -12,14 +12,16 @@ clients out. Web servers bound this (nginx ``client_header_timeout`` and
   aiohttp's own ``RequestHandler`` unchanged;
 - :meth:`Frontend.request_started` / :meth:`Frontend.request_ended` (called by the proxy's
   middleware) mark a connection as busy while a request is being handled;
-- a sweep every ``min(timeouts) / 4`` (at most 1 s) aborts each connection that is not
-  handling a request and has gone past its bound: ``header_timeout_s`` after it opened
-  without a complete request, or ``keepalive_timeout_s + header_timeout_s`` after its last
-  request ended (idle, or sending the next request's headers too slowly);
+- a sweep aborts each connection that is not handling a request and has gone past its bound:
+  ``header_timeout_s`` after it opened without a complete request, or ``keepalive_timeout_s +
+  header_timeout_s`` after its last request ended (idle, or sending the next request's headers
+  too slowly). It runs at the earliest bound of the connections it saw (at most
+  :data:`MIN_SWEEP_GAP_S` late, so a burst of connections is not one sweep each), and at least
+  every ``min(timeouts) / 4`` (at most 1 s) for connections whose bound moved meanwhile;
 - past ``max_connections`` open connections, a new one gets a ``503`` and is closed at once.
 
 The body-read bound is enforced by the proxy around ``request.read()``: 408, and the connection
-is closed by the next sweep (:meth:`Frontend.close_after_answer`).
+is closed by a sweep :data:`MIN_SWEEP_GAP_S` later (:meth:`Frontend.close_after_answer`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ import time
 from typing import Any, Callable
 
 log = logging.getLogger("routerd.frontend")
+
+#: Least time between two sweeps (s): how late past its bound a connection may close.
+MIN_SWEEP_GAP_S = 0.02
 
 _BUSY_503 = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
              b"Retry-After: 1\r\nContent-Length: 116\r\n\r\n"
@@ -163,27 +168,40 @@ class Frontend:
             c.idle_since = self.clock()
 
     def close_after_answer(self, transport: Any) -> None:
-        """Close this connection once its current answer is written (the next sweep): used after
+        """Close this connection once its current answer is written (a sweep soon after): used after
         a 408, when the rest of a half-sent body must not be waited for (aiohttp would otherwise
         linger, reading it, for up to 10 s)."""
         c = self._by_transport.get(transport)
         if c is not None:
             c.doomed = True
+            # The answer is written when the handler returns, before any timer runs: a sweep
+            # MIN_SWEEP_GAP_S from now closes it (not the next periodic one, up to 1 s away).
+            loop = asyncio.get_running_loop()
+            due = loop.time() + MIN_SWEEP_GAP_S
+            if self._sweep is None or self._sweep.when() > due:
+                if self._sweep is not None:
+                    self._sweep.cancel()
+                self._arm(MIN_SWEEP_GAP_S)
 
     # -- the sweep --------------------------------------------------------------------
     @property
     def sweep_interval_s(self) -> float:
         return min(1.0, self.header_timeout_s / 4, self.keepalive_timeout_s / 4)
 
-    def _arm(self) -> None:
-        self._sweep = asyncio.get_running_loop().call_later(self.sweep_interval_s, self.sweep)
+    def _arm(self, delay_s: float | None = None) -> None:
+        self._sweep = asyncio.get_running_loop().call_later(
+            self.sweep_interval_s if delay_s is None else delay_s, self.sweep)
 
     def sweep(self) -> int:
-        """Abort every connection past its bound; returns how many. Re-arms itself while any is open."""
+        """Abort every connection past its bound; returns how many. Re-arms itself while any is
+        open: at the earliest bound still ahead (no sooner than :data:`MIN_SWEEP_GAP_S`), at the
+        latest after :attr:`sweep_interval_s` (a new connection's bound is at least
+        ``header_timeout_s`` away, four intervals)."""
         self._sweep = None
         now = self.clock()
         hdr, idle = self.header_timeout_s, self.keepalive_timeout_s + self.header_timeout_s
         late = []
+        nxt = now + self.sweep_interval_s
         for c in self.conns:
             if c.busy:
                 continue
@@ -192,17 +210,21 @@ class Frontend:
                     c.transport.close()  # flushes the answer already written, then closes
                 continue
             if c.requests == 0:
-                if now - c.opened_at > hdr:
-                    late.append((c, "header_timeout"))
-            elif now - c.idle_since > idle:
-                late.append((c, "idle_timeout"))
+                due, why = c.opened_at + hdr, "header_timeout"
+            else:
+                due, why = c.idle_since + idle, "idle_timeout"
+            if now > due:
+                late.append((c, why))
+            elif due < nxt:
+                nxt = due
         for c, why in late:
             if c.transport is not None:
                 c.transport.abort()  # a slow client gets no more of our time or buffers
             if self.on_close is not None:
                 self.on_close(why)
         if self.conns:
-            self._arm()
+            # Just past the bound: a connection is late only once strictly past it.
+            self._arm(max(MIN_SWEEP_GAP_S, nxt - now + 0.001))
         return len(late)
 
     def close(self) -> None:
