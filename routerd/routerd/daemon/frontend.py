@@ -121,6 +121,7 @@ class Frontend:
         self._by_transport: dict[Any, _Conn] = {}
         self._sweep: asyncio.TimerHandle | None = None
         self._warned_full = False
+        self._closed = False
 
     # -- the protocol factory ------------------------------------------------------
     def factory(self, make_handler: Callable[[], Any]) -> Callable[[], _Conn]:
@@ -174,9 +175,14 @@ class Frontend:
         c = self._by_transport.get(transport)
         if c is not None:
             c.doomed = True
+            if self._closed:
+                return
             # The answer is written when the handler returns, before any timer runs: a sweep
             # MIN_SWEEP_GAP_S from now closes it (not the next periodic one, up to 1 s away).
-            loop = asyncio.get_running_loop()
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop: the next sweep closes it
+                return
             due = loop.time() + MIN_SWEEP_GAP_S
             if self._sweep is None or self._sweep.when() > due:
                 if self._sweep is not None:
@@ -228,6 +234,7 @@ class Frontend:
         return len(late)
 
     def close(self) -> None:
+        self._closed = True
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None

@@ -160,7 +160,11 @@ class Phasewise(RoutingPolicy):
             k = k_pf + t_dec / budget
             attn = k_attn * u * (cached + u)
             ppw = getattr(inst, "pending_prefill_work", None)
-            q_tokens, q_attended = ppw() if ppw is not None else pending_prefill_work(inst)
+            if ppw is not None:
+                q_tokens, q_attended = ppw()
+                q_tokens, q_attended = int(q_tokens), int(q_attended)  # as the helper: ties stay exact
+            else:
+                q_tokens, q_attended = pending_prefill_work(inst)
             ttft = k * (q_tokens + u) + k_attn * q_attended + attn
             cost = ttft + w_dec * out * (t_dec + own_step) + w_int * B * (k_pf * u + attn)
             usable = int(inst.kv_total_blocks * keep)
