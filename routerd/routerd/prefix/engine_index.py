@@ -284,6 +284,19 @@ class EngineBlockIndex:
                             hi = k - 1
             else:
                 hints = ()
+                # The first engine asked about a prompt: back from its end, doubling (a
+                # conversation's next turn ends a few blocks past its cached history), then
+                # bisect what is left.
+                step = 1
+                while True:
+                    j = n - 1 - step
+                    if j < lo:
+                        break
+                    if ext[j][0] in keys:
+                        lo = j + 1
+                        break
+                    hi = j
+                    step += step
             while lo < hi:
                 mid = (lo + hi) // 2
                 if ext[mid][0] in keys:
