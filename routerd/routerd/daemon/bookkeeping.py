@@ -17,7 +17,7 @@ Each equals what the scanning helper in :mod:`routerd.policies` computes from
 from __future__ import annotations
 
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from routerd.policies.base import LoadSummary, ResidentRequest, load_bin, summarize_residents
 
@@ -122,6 +122,16 @@ class _DecodeGroup:
             self.max_generated = max((r.generated for r in self.members.values()), default=0)
             self.dirty = False
         return self.max_generated
+
+
+def _min_remaining(groups: "Iterable[_DecodeGroup]", least: float | None) -> float | None:
+    """The smallest predicted remaining decode (tokens) over ``groups``' members and ``least``."""
+    for g in groups:
+        if g.members:
+            rem = g.predicted - g.max_gen()
+            if least is None or rem < least:
+                least = rem
+    return least
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -391,18 +401,10 @@ class RequestBook:
                 total += r.prompt_tokens + r.predicted_output_tokens
         else:
             total = self._sum_pred
-        min_rem: float | None = None
-        for g in self._groups.values():
-            if g.members:
-                rem = g.predicted - g.max_gen()
-                if min_rem is None or rem < min_rem:
-                    min_rem = rem
+        min_rem = _min_remaining(self._groups.values(), None)
         b = self._bins
         if blind == 1:  # every blind request decodes
-            for g in self._blind_groups.values():
-                rem = g.predicted - g.max_gen()
-                if min_rem is None or rem < min_rem:
-                    min_rem = rem
+            min_rem = _min_remaining(self._blind_groups.values(), min_rem)
             bb = self._blind_bins
             return LoadSummary(len(self._prefill) - self._n_blind, (b[0] + bb[0], b[1] + bb[1], b[2] + bb[2]),
                                min_rem, len(self.requests), total)

@@ -62,7 +62,7 @@ from routerd.policies.base import (
     pick_cheapest,
 )
 from routerd.policies.kv_headroom import blocks_for, predicted_footprint_tokens, waiting_kv_blocks
-from routerd.prefix.index import PrefixIndex, PrefixSource, pending_prefill_work
+from routerd.prefix.index import PrefixIndex, PrefixSource, cached_blocks, pending_prefill_work
 
 
 class Params(PolicyParams):
@@ -128,26 +128,12 @@ class Phasewise(RoutingPolicy):
         unfit: list[tuple[float, int]] = []
         w_dec, w_int, w_pre = p.decode_weight, p.interference_weight, p.preemption_weight
         keep = 1.0 - p.reserve_fraction
-        index = self._index
-        precise = p.prefix_source == "precise" and prefix is not None
-        n_blocks = prefix.num_blocks if prefix is not None else 0
-        # The helpers (cached_blocks, pending_prefill_work, waiting_kv_blocks) inlined: this loop
-        # is most of a decision's cost (benchmarks/prefix_decision_cost.py), and the calls were
-        # 12% of it at 8 instances (measured alternately, session 28).
+        index, source = self._index, p.prefix_source
+        # pending_prefill_work and waiting_kv_blocks inlined (their views' fast paths): this loop
+        # is most of a decision's cost (benchmarks/prefix_decision_cost.py); a pick at 8 instances
+        # costs 0.90x the helpers' version (alternated in one process, session 28).
         for inst in view.instances:
-            if prefix is None:
-                h = 0
-            else:
-                h = None
-                if precise:  # the engine's KV events; its approximate index where it cannot answer
-                    ecb = getattr(inst, "engine_cached_blocks", None)
-                    if ecb is not None:
-                        h = ecb(prefix)
-                        if h is not None:
-                            h = int(h)
-                            h = 0 if h < 0 else (h if h < n_blocks else n_blocks)
-                if h is None:
-                    h = index.match(inst.index, prefix)
+            h = cached_blocks(inst, prefix, index, source) if prefix is not None else 0
             cached = bs * h
             u = prompt - cached
             if u < 1:
