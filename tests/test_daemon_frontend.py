@@ -171,7 +171,9 @@ def test_the_sweep_rearms_at_the_earliest_bound_so_a_connection_closes_just_past
         loop = asyncio.get_running_loop()
         silent = conn(98.3)    # header bound at 100.3
         later = conn(99.9)     # header bound at 101.9
-        idle = conn(90.0, requests=1, idle_since=95.2)  # idle bound 95.2 + 5 = 100.2
+        idle = conn(90.0, requests=1, idle_since=97.2)  # idle bound 97.2 + 3 (keep-alive) = 100.2
+        started = conn(90.0, requests=1, idle_since=99.5)  # its next request began at 99.9: bound 101.9
+        started.next_at = 99.9
         assert f.sweep() == 0 and closed == []
         # The earliest bound ahead is idle's (100.2): 0.2 s away, plus 1 ms.
         assert abs((f._sweep.when() - loop.time()) - 0.201) < 0.01
@@ -188,9 +190,49 @@ def test_the_sweep_rearms_at_the_earliest_bound_so_a_connection_closes_just_past
         now[0] = 100.31
         assert f.sweep() == 1 and closed == ["idle_timeout", "header_timeout"] and silent.transport.aborted
         f.conns.discard(silent)
-        # Only later's bound (101.9) is left, 1.59 s away: the interval (0.5 s) comes first.
+        # Only later's and started's bounds (101.9) are left, 1.59 s away: the interval (0.5 s) comes first.
         assert abs((f._sweep.when() - loop.time()) - 0.5) < 0.01
-        assert not later.transport.aborted
+        assert not later.transport.aborted and not started.transport.aborted
+        f.close()
+        now[0] = 101.95  # both past: a silent first request and a next request sent too slowly
+        assert f.sweep() == 2 and closed[2:] == ["header_timeout", "header_timeout"]
         f.close()
 
     asyncio.run(run())
+
+
+def test_a_next_request_begun_before_the_keep_alive_bound_gets_the_header_timeout_and_idle_closes_count():
+    """After a response, a connection with nothing sent is closed at ``keepalive_timeout_s``
+    (counted ``idle_timeout``); one whose next request began before that has ``header_timeout_s``
+    from its first byte to complete it, and is answered (aiohttp's own keep-alive timer used to
+    close it half-sent at the keep-alive bound, uncounted)."""
+    async def main():
+        b = await FakeBackend("b0").start()
+        d = await start_daemon([b], http={"host": "127.0.0.1", "port": 0, "keepalive_timeout_s": 2.0,
+                                          "header_timeout_s": 5.0})
+        try:
+            idle_r, idle_w = await asyncio.open_connection("127.0.0.1", d.http_port)
+            r, w = await asyncio.open_connection("127.0.0.1", d.http_port)
+            for ww in (idle_w, w):
+                ww.write(HEAD + REQUEST)
+            for rr in (idle_r, r):  # the whole first answer, so the next read is the next answer
+                head = await asyncio.wait_for(rr.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200")
+                length = int(next(x.split(b":")[1] for x in head.split(b"\r\n")
+                                  if x.lower().startswith(b"content-length:")))
+                await asyncio.wait_for(rr.readexactly(length), 10)
+            await asyncio.sleep(0.5)
+            w.write(HEAD[:20])  # the next request begins...
+            await asyncio.sleep(2.5)  # ...and is still unfinished past the keep-alive bound
+            w.write(HEAD[20:] + REQUEST)
+            data = await asyncio.wait_for(r.read(65536), 10)
+            assert b"HTTP/1.1 200" in data, data
+            await _closed_within(idle_r, 10.0)
+            assert sample(d, "phasewise_client_connections_closed_total", reason="idle_timeout") >= 1
+            for ww in (idle_w, w):
+                ww.close()
+        finally:
+            await d.stop()
+            await b.stop()
+
+    asyncio.run(main())

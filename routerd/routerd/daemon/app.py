@@ -261,9 +261,6 @@ class Daemon:
         s = self.settings
         assert self._loop is not None
         app = self.proxy.build_app()
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=0.5, keepalive_timeout=s.http.keepalive_timeout_s)
-        await self._runner.setup()
         limit = effective_max_connections(s.http.max_connections)
         if limit < s.http.max_connections:
             log.warning("http.max_connections %d lowered to %d (half the open-file limit)",
@@ -271,6 +268,10 @@ class Daemon:
         self.frontend = Frontend(header_timeout_s=s.http.header_timeout_s,
                                  keepalive_timeout_s=s.http.keepalive_timeout_s, max_connections=limit,
                                  on_close=lambda why: self.metrics.client_connections_closed.labels(why).inc())
+        # The front-end limits own the waiting connections; aiohttp's keep-alive timer only backs them.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=0.5, keepalive_timeout=self.frontend.aiohttp_keepalive_s)
+        await self._runner.setup()
         self.metrics.client_connections.set_function(self.frontend.conns.__len__)
         # Our own listener rather than web.TCPSite: each connection is wrapped (frontend.py); aiohttp's
         # handler still registers with its server, so the graceful shutdown of runner.cleanup() holds.

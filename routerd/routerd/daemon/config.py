@@ -74,8 +74,8 @@ class HttpConfig(ListenConfig):
     ``client_body_timeout``, 60 s)."""
     keepalive_timeout_s: float = Field(default=75.0, gt=0, le=3600)
     """An idle keep-alive connection is closed this long after its last response (s) (nginx's
-    ``keepalive_timeout``, 75 s); one that then sends its next request too slowly is closed
-    ``header_timeout_s`` later."""
+    ``keepalive_timeout``, 75 s); a next request begun meanwhile must then be complete within
+    ``header_timeout_s`` of its first byte."""
     max_connections: int = Field(default=10_000, ge=1)
     """Most open client connections; one more gets 503 and is closed. Lowered at start to half
     the process's open-file limit (logged), so clients can never take every descriptor."""

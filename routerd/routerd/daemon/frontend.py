@@ -13,9 +13,11 @@ clients out. Web servers bound this (nginx ``client_header_timeout`` and
 - :meth:`Frontend.request_started` / :meth:`Frontend.request_ended` (called by the proxy's
   middleware) mark a connection as busy while a request is being handled;
 - a sweep aborts each connection that is not handling a request and has gone past its bound:
-  ``header_timeout_s`` after it opened without a complete request, or ``keepalive_timeout_s +
-  header_timeout_s`` after its last request ended (idle, or sending the next request's headers
-  too slowly). It runs at the earliest bound of the connections it saw (at most
+  ``header_timeout_s`` after it opened without a complete request, ``keepalive_timeout_s`` after
+  its last response if nothing came since (idle), or ``header_timeout_s`` after the first byte of
+  its next request (sending it too slowly). aiohttp's own keep-alive timer is set past these
+  (``Frontend.aiohttp_keepalive_s``): it would close a connection whose next request is half
+  sent at ``keepalive_timeout_s``, and uncounted. It runs at the earliest bound of the connections it saw (at most
   :data:`MIN_SWEEP_GAP_S` late, so a burst of connections is not one sweep each), and at least
   every ``min(timeouts) / 4`` (at most 1 s) for connections whose bound moved meanwhile;
 - past ``max_connections`` open connections, a new one gets a ``503`` and is closed at once.
@@ -58,13 +60,16 @@ def effective_max_connections(configured: int) -> int:
 class _Conn(asyncio.Protocol):
     """One client connection: aiohttp's handler ``h`` plus the times the sweep needs."""
 
-    __slots__ = ("h", "front", "transport", "opened_at", "idle_since", "busy", "requests", "refused", "doomed")
+    __slots__ = ("h", "front", "transport", "opened_at", "idle_since", "next_at", "busy", "requests", "refused",
+                 "doomed")
 
     def __init__(self, h: Any, front: "Frontend") -> None:
         self.h = h
         self.front = front
         self.transport: asyncio.Transport | None = None
         self.opened_at = self.idle_since = 0.0
+        self.next_at: float | None = None
+        """When the first byte of the next request came after a response (None: idle since)."""
         self.busy = 0
         self.requests = 0
         self.refused = False
@@ -79,6 +84,8 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if not self.refused:
+            if self.requests and not self.busy and self.next_at is None:
+                self.next_at = self.front.clock()  # its next request begins: the header bound runs
             self.h.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -167,6 +174,7 @@ class Frontend:
         if c is not None:
             c.busy -= 1
             c.idle_since = self.clock()
+            c.next_at = None
 
     def close_after_answer(self, transport: Any) -> None:
         """Close this connection once its current answer is written (a sweep soon after): used after
@@ -191,6 +199,12 @@ class Frontend:
 
     # -- the sweep --------------------------------------------------------------------
     @property
+    def aiohttp_keepalive_s(self) -> float:
+        """The keep-alive timeout to give aiohttp's server (s): past every bound of this module, so
+        only the sweep closes a waiting connection (with its reason counted); a backstop."""
+        return self.keepalive_timeout_s + self.header_timeout_s + 1.0
+
+    @property
     def sweep_interval_s(self) -> float:
         return min(1.0, self.header_timeout_s / 4, self.keepalive_timeout_s / 4)
 
@@ -205,7 +219,7 @@ class Frontend:
         ``header_timeout_s`` away, four intervals)."""
         self._sweep = None
         now = self.clock()
-        hdr, idle = self.header_timeout_s, self.keepalive_timeout_s + self.header_timeout_s
+        hdr, idle = self.header_timeout_s, self.keepalive_timeout_s
         late = []
         nxt = now + self.sweep_interval_s
         for c in self.conns:
@@ -217,6 +231,8 @@ class Frontend:
                 continue
             if c.requests == 0:
                 due, why = c.opened_at + hdr, "header_timeout"
+            elif c.next_at is not None:
+                due, why = c.next_at + hdr, "header_timeout"
             else:
                 due, why = c.idle_since + idle, "idle_timeout"
             if now > due:
