@@ -10,8 +10,10 @@ in groups of 4 sharing a system prompt of a quarter of the prompt) is sent once,
 request continues a random conversation: its first ``prompt - 50`` tokens are that conversation's
 history (cached, in the index's belief, where the policy sent it), the system prompt is cached
 wherever the group's other conversations went, the last 50 tokens are new. Prompts are hashed by
-routerd's :class:`~routerd.daemon.prefix.PrefixIdentity` (``prefix.chunk_blocks`` as given) before
-timing. A second table, ``worst``, gives every instance the whole prompt (a system prompt of
+routerd's :class:`~routerd.daemon.prefix.PrefixIdentity` (``prefix.chunk_blocks`` as given), untimed,
+right before each pick, as routerd hashes a prompt when it parses the request and then decides
+in the same callback; ``--hash-up-front`` hashes them all before timing instead (the setting of
+sessions 24-28, about 0.7-0.85x the p50 of this one). A second table, ``worst``, gives every instance the whole prompt (a system prompt of
 the full length replicated everywhere), so every candidate's match walks every extent.
 
 Each timed pick is the policy's whole ``pick`` (scoring every candidate, its index's match per
@@ -19,7 +21,12 @@ candidate and its insert into the chosen one) plus what routerd reads right afte
 engine's match in precise mode, the index's match at the insert, ``last_insert``, otherwise), by the wall clock (``perf_counter_ns``) and by the
 thread's CPU clock (``thread_time_ns``: what it costs; the wall clock also counts the time the
 thread was preempted, which dominates p99 on a shared machine); p50 and p99 over ``--n`` picks
-after 10% warm-up. The indexes defer their inserts as routerd's do (``PrefixIndex.defer_updates``:
+after 10% warm-up. Each cell runs ``--repeat`` times on the same seeded prompts and views and
+prints the median of each figure over the runs, with the worst run's CPU p99 and the
+hypervisor's ``steal`` over the cell (percent of the machine's CPU time, ``/proc/stat``) beside:
+a thread's CPU clock keeps running while its virtual CPU is descheduled, and on this machine
+bursts of steal or of other processes set a single run's p99 (the load-only ``None`` column
+moves with them). The indexes defer their inserts as routerd's do (``PrefixIndex.defer_updates``:
 routerd applies them, evictions included, on the next event-loop turn, after the request is on
 its way), so a pick is the decision; ``+update`` is the pick plus that insert (its CPU clock),
 what the decision costs the event loop in all. The garbage collector runs as routerd runs it
@@ -49,6 +56,7 @@ figures.
 Usage: python benchmarks/prefix_decision_cost.py [--n 3000] [--instances 4,8] [--tokens 1024,4096,8192]
        [--chunk-blocks 4,1] [--policies llmd,sglang_cache_aware,dynamo_kv,phasewise] [--load 16]
        [--memory-bound 262144] [--modes approximate,precise] [--collector routerd|cpython]
+       [--repeat 3] [--hash-up-front]
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ from routerd.policies.base import ClusterView, RequestFeatures
 from routerd.profiles import get_profile
 
 PROFILE = "llama3.1-8b-h100"
+HASH_AT_PARSE = True  # --hash-up-front: False
 PACER = None  # routerd's collector (--collector routerd), run between decisions
 NEW_TOKENS = 50  # the new question at the end of each timed prompt
 
@@ -211,6 +220,12 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
         wall, cpu = time.perf_counter_ns, time.thread_time_ns
         ixs = prefix_indexes(policy)
         for k, prefix in enumerate(timed):
+            if HASH_AT_PARSE:
+                # routerd hashes a request's prompt when it parses the request, in the callback
+                # that then decides (DaemonApp.prefix_blocks, Router.submit): what the pick meets
+                # is what that hashing left behind (measured: 1.2-1.4x the p50 of a pick whose
+                # prompt was hashed thousands of picks earlier, session 29).
+                prefix = ident.blocks_for(texts[k])
             now += 0.01
             for ep in eps:
                 ep.refresh(now, 2.0)
@@ -282,6 +297,36 @@ def hashing(tokens: int, chunk: int, n: int, precise: bool = False) -> tuple[flo
     return p50, p99, len(p.extents)
 
 
+def steal_jiffies() -> int | None:
+    """The machine's CPU time stolen by its hypervisor so far (``/proc/stat``'s ``steal``,
+    USER_HZ ticks summed over CPUs), or None where the kernel does not say. Thread CPU clocks
+    keep running while a virtual CPU is descheduled, so steal inflates a decision's measured
+    CPU time without being any of its cost."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def measure_repeated(repeat: int, *args) -> tuple[list[float], float, float, float | None]:
+    """:func:`measure` ``repeat`` times over the same seeded setting: (the median of each figure
+    over the repeats, mean matched blocks, the largest CPU p99 of any repeat (us), the steal
+    while it ran as a percentage of the machine's CPU time, None where unknown). The median of
+    per-repeat percentiles keeps one burst of outside noise (another process, the hypervisor)
+    from setting a cell's p99; the worst repeat is printed beside it."""
+    runs = []
+    s0, t0 = steal_jiffies(), time.perf_counter()
+    for _ in range(repeat):
+        runs.append(measure(*args))
+    s1, dt = steal_jiffies(), time.perf_counter() - t0
+    figs = [float(np.median([r[0][i] for r in runs])) for i in range(len(runs[0][0]))]
+    steal = None
+    if s0 is not None and s1 is not None and dt > 0:
+        steal = 100.0 * (s1 - s0) / (os.sysconf("SC_CLK_TCK") * dt * (os.cpu_count() or 1))
+    return figs, runs[0][1], max(r[0][5] for r in runs), steal
+
+
 def rss_mb() -> float:
     """This process's resident set (MB, ``/proc/self/statm``)."""
     with open("/proc/self/statm") as f:
@@ -326,7 +371,15 @@ def main() -> None:
                          "(routerd.daemon.collector); cpython: CPython's default automatic collector")
     ap.add_argument("--modes", default="approximate,precise",
                     help="prefix.mode values (precise: the engines' KV-event indexes, bytes tokenizer)")
+    ap.add_argument("--hash-up-front", action="store_true",
+                    help="hash every timed prompt before timing (sessions 24-28) instead of right "
+                         "before its pick, as routerd does at parse")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of each cell (the same seeded prompts and views); its figures are "
+                         "the medians over the runs, and the worst run's CPU p99 is printed beside")
     a = ap.parse_args()
+    if a.repeat < 1:
+        ap.error(f"--repeat: at least 1, got {a.repeat}")
     modes = a.modes.split(",")
     if not set(modes) <= {"approximate", "precise"}:
         ap.error(f"--modes: approximate and/or precise, got {a.modes!r}")
@@ -342,7 +395,8 @@ def main() -> None:
                   ", ".join(f"{n} prompts {r:.0f} MB ({b} blocks)" for n, r, b in rows) +
                   f"; {(rows[-1][1] - rows[0][1]) * 1e6 / max(1, rows[-1][2] // 4):.0f} bytes per entry of 4 blocks"
                   " at the end")
-    global PACER
+    global PACER, HASH_AT_PARSE
+    HASH_AT_PARSE = not a.hash_up_front
     if a.collector == "routerd":
         # As routerd runs (routerd.daemon.collector): start-up objects frozen, no automatic
         # collection, the same collections between callbacks (here: after each decision's update).
@@ -371,17 +425,19 @@ def main() -> None:
               f" wall clock, then the thread's CPU clock (without preemption)")
         print(f"{'policy':>19} {'m':>2} {'tokens':>6} {'chunk':>5} | {'p50':>6} {'p99':>6} {'None':>5} {'None':>5} "
               f"{'x p50':>5} {'x p99':>5} | {'cpu p50':>7} {'p99':>6} {'None':>5} {'None':>5} {'x p50':>5} "
-              f"{'x p99':>5} | {'+update p50':>11} {'p99':>6} | {'gc':>5} | {'matched':>7}")
+              f"{'x p99':>5} | {'+update p50':>11} {'p99':>6} | {'gc':>5} | {'matched':>7} | {'worst p99':>9} {'steal%':>6}")
         for chunk, precise in cases:
             for name in pols:
                 for m in ms:
                     for tokens in sizes:
-                        f, mb = measure(name, m, tokens, chunk, a.n, a.load, a.conversations, worst, precise)
+                        f, mb, worst99, steal = measure_repeated(
+                            a.repeat, name, m, tokens, chunk, a.n, a.load, a.conversations, worst, precise)
                         w50, w99, o50, o99, c50, c99, d50, d99, e50, e99, gcm = f
                         flag = "" if c99 <= 100.0 else "  CPU p99 > 100 us"
                         print(f"{name:>19} {m:>2} {tokens:>6} {'tok' if precise else chunk:>5} | {w50:6.1f} {w99:6.1f} {o50:5.1f} "
                               f"{o99:5.1f} {w50 / o50:5.2f} {w99 / o99:5.2f} | {c50:7.1f} {c99:6.1f} {d50:5.1f} "
-                              f"{d99:5.1f} {c50 / d50:5.2f} {c99 / d99:5.2f} | {e50:11.1f} {e99:6.1f} | {gcm:5.1f} | {mb:7.1f}{flag}")
+                              f"{d99:5.1f} {c50 / d50:5.2f} {c99 / d99:5.2f} | {e50:11.1f} {e99:6.1f} | {gcm:5.1f} | {mb:7.1f} | "
+                              f"{worst99:9.1f} {'-' if steal is None else f'{steal:.1f}':>6}{flag}")
 
 
 if __name__ == "__main__":
