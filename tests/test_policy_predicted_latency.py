@@ -22,7 +22,7 @@ from routerd.model import PREDICTOR_BUCKET_EDGES as EDGES
 from routerd.model import Request
 from routerd.policies import PolicyContext, build_policy
 from routerd.policies.kv_headroom import blocks_for, kv_deficit_blocks, predicted_footprint_tokens
-from routerd.policies.predicted_latency import forecast, remaining_decode_steps
+from routerd.policies.predicted_latency import forecast, kv_wait_s, remaining_decode_steps
 from routerd.profiles import get_profile
 
 _TIME_FIELDS = ("overhead_s", "prefill_per_token_s", "prefill_attn_s", "decode_per_seq_s", "decode_per_ctx_token_s")
@@ -121,6 +121,32 @@ def test_holds_only_when_nothing_fits():
     assert make([TOY, TOY]).pick(req(160, 50), view(seats, inst(1, total=100, used=90))) is None
 
 
+def test_kv_wait_by_hand():
+    # Decoding: 100 + 10 to go (frees blocks(110) = 7), 200 + 50 to go (frees blocks(250) = 16);
+    # a prefilling resident frees nothing first. Step now: 0.01 + 2 * 1e-3 + 1e-6 * 300 = 0.0123 s.
+    rs = [res(100, pred=10), res(200, pred=50), res(500, pred=5, state="prefill")]
+    assert kv_wait_s(TOY, rs, 5, 16, edges=EDGES) == pytest.approx(10 * 0.0123, abs=1e-12)
+    assert kv_wait_s(TOY, rs, 7, 16, edges=EDGES) == pytest.approx(10 * 0.0123, abs=1e-12)
+    assert kv_wait_s(TOY, rs, 8, 16, edges=EDGES) == pytest.approx(50 * 0.0123, abs=1e-12)
+    assert kv_wait_s(TOY, rs, 24, 16, edges=EDGES) == math.inf  # 23 blocks is all they hold
+    assert kv_wait_s(TOY, rs, 0, 16, edges=EDGES) == 0.0
+    assert kv_wait_s(TOY, [res(500, state="waiting")], 1, 16, edges=EDGES) == math.inf
+
+
+def test_waits_for_a_fast_instance_about_to_have_room():
+    # The slow instance has room: 0.574065 s there. The fast one lacks 9 blocks (14 needed, 95
+    # usable, 90 used) but its one decode (200 + 10 to go) frees blocks(210) = 14 in 10 steps of
+    # (0.01 + 1e-3 + 200e-6) / 4 = 0.0028 s: 0.028 s, plus about 0.17 s there, is cheaper: hold.
+    slow = inst(0, total=100)
+    soon = inst(1, res(200, pred=10), total=100, used=90)
+    assert make([TOY, TOY_FAST]).pick(req(160, 50), view(slow, soon)) is None
+    assert make([TOY, TOY_FAST], wait_for_kv=False).pick(req(160, 50), view(slow, soon)) == 0
+    # 2,000 steps to go (5.6 s) is not worth waiting for; nor is anything with hold off.
+    late = inst(1, res(200, pred=2000), total=100, used=90)
+    assert make([TOY, TOY_FAST]).pick(req(160, 50), view(slow, late)) == 0
+    assert make([TOY, TOY_FAST], hold=False).pick(req(160, 50), view(slow, soon)) == 0
+
+
 def test_exact_ties_are_seeded_random():
     v = view(inst(0), inst(1))
     picks = {make([TOY, TOY], seed=s).pick(req(160, 50), v) for s in range(20)}
@@ -156,10 +182,19 @@ def test_always_a_valid_index_or_a_justified_hold(cluster, prompt, out, hold, ma
     insts, profiles = cluster
     p = make(profiles, hold=hold, max_events=max_events)
     choice = p.pick(req(prompt, out), view(*insts))
-    fits = [kv_deficit_blocks(v, blocks_for(predicted_footprint_tokens(prompt, out, TOY.max_model_len), 16), 0.05)
-            <= 0 and v.num_running + v.num_waiting < TOY.max_num_seqs for v in insts]
+    need = blocks_for(predicted_footprint_tokens(prompt, out, TOY.max_model_len), 16)
+    fits = [kv_deficit_blocks(v, need, 0.05) <= 0 and v.num_running + v.num_waiting < TOY.max_num_seqs
+            for v in insts]
     if choice is None:
-        assert hold and not any(fits)
+        assert hold
+        if any(fits):
+            # Held for an instance without room now whose wait plus cost beats every one with room.
+            costs = [sum(x * w for x, w in zip(forecast(prof, v.residents(), prompt, out, edges=EDGES,
+                                                        max_events=max_events), (1.0, 1.0)))
+                     for v, prof in zip(insts, profiles)]
+            waited = [c + kv_wait_s(prof, v.residents(), kv_deficit_blocks(v, need, 0.05), 16, edges=EDGES)
+                      for c, v, prof, f in zip(costs, insts, profiles, fits) if not f]
+            assert min(waited) < min(c for c, f in zip(costs, fits) if f)
     else:
         assert type(choice) is int and 0 <= choice < len(insts)
         assert fits[choice] or not any(fits)

@@ -50,8 +50,16 @@ profile): an instance fits when ``num_running + num_waiting < max_num_seqs`` and
 waiting``. Instances that fit are preferred; when none fits the policy holds (``hold=True``,
 the default: every choice would preempt) or takes the cheapest, each unfit one priced with
 ``preemption_weight * k * block_size * deficit`` extra, the recompute its KV deficit would
-cause (as ``phasewise``; ``k = prefill_per_token + t_dec / max_num_batched_tokens``). Exact
-ties (1e-12 s) go to a seeded random choice; near-ties too with ``ctx.near_tie``.
+cause (as ``phasewise``; ``k = prefill_per_token + t_dec / max_num_batched_tokens``). With
+``wait_for_kv`` (the default) an instance without room is also priced as the wait until its
+decodes free the request's KV deficit (``kv_wait_s``: predicted remaining steps at the current
+step time) plus its cost there, and the policy holds while that beats every instance with room:
+a mixed pool's fast instance about to finish a decode can beat a slow one that has room now,
+which ``late_binding`` (the first that fits) never waits for. Measured on the tuning window
+(seed 0 of ``benchmarks/mixed_pools.py``, session 29): mean E2E -11.4% -> -18.9% (1.5x) and
+-5.4% -> -14.9% (2x) against ``late_binding`` on azure-code, 2 x V100 + 2 x A100; unchanged
+wherever KV was not what filled the instances. Exact ties (1e-12 s) go to a seeded random
+choice; near-ties too with ``ctx.near_tie``.
 """
 
 from __future__ import annotations
@@ -207,6 +215,43 @@ def forecast(
             events += 1
 
 
+def kv_wait_s(profile: HardwareProfile, residents: Sequence[ResidentRequest], deficit_blocks: int, block_size: int,
+              *, edges: tuple[int, ...]) -> float:
+    """Seconds until the decoding ``residents`` of an instance of ``profile`` free
+    ``deficit_blocks`` KV blocks (s; ``inf`` when finishing all of them would not), at the
+    current batch's step time.
+
+    Each decoding resident frees ``blocks(prompt + generated + remaining)`` blocks (its
+    footprint at its predicted end, :func:`remaining_decode_steps`) after its remaining decode
+    steps; the step time is the profile's iteration time for the batch as it is now, kept
+    fixed (residents finishing would shorten it: an upper bound on the wait). Prefilling and
+    waiting residents free nothing before they decode. 0 for a deficit of 0 or less.
+    """
+    if deficit_blocks <= 0:
+        return 0.0
+    ends: list[tuple[float, int]] = []
+    B = 0
+    S = 0
+    for r in residents:
+        if r.in_prefill:
+            continue
+        rest = remaining_decode_steps(r, edges)
+        ctx = r.prompt_tokens + r.generated_tokens
+        B += 1
+        S += ctx
+        ends.append((rest, blocks_for(int(ctx + rest + 0.999999), block_size)))
+    if not ends:
+        return math.inf
+    ends.sort()
+    step = profile.overhead_s + profile.decode_per_seq_s * B + profile.decode_per_ctx_token_s * S
+    freed = 0
+    for rest, blocks in ends:
+        freed += blocks
+        if freed >= deficit_blocks:
+            return rest * step
+    return math.inf
+
+
 class Params(PolicyParams):
     """Parameters of ``predicted_latency``."""
 
@@ -225,6 +270,11 @@ class Params(PolicyParams):
     max_events: int = Field(default=64, ge=1)
     """Horizon of the forward model per instance: events (a prefill or a decode finishing)
     after which the residents still decoding are assumed to stay (see the module docstring)."""
+    wait_for_kv: bool = True
+    """Also price each instance without KV headroom as the wait until its decodes free the
+    request's deficit (:func:`kv_wait_s`) plus its forecast there, and hold while such an
+    instance is cheaper than every one that fits: in a mixed pool, a fast instance about to free
+    room can beat a slow one that has room now (``late_binding`` takes the first that fits)."""
 
 
 class PredictedLatency(RoutingPolicy):
@@ -247,6 +297,7 @@ class PredictedLatency(RoutingPolicy):
         out = request.predicted_output_tokens
         fit: list[tuple[float, int]] = []
         unfit: list[tuple[float, int]] = []
+        wait_best = math.inf
         for inst in view.instances:
             i = inst.index
             # routerd may see more endpoints than the context was built for: those get ctx.profile.
@@ -256,6 +307,11 @@ class PredictedLatency(RoutingPolicy):
             need = blocks_for(predicted_footprint_tokens(prompt, out, prof.max_model_len), inst.block_size)
             deficit = kv_deficit_blocks(inst, need, p.reserve_fraction)
             fits = deficit <= 0 and inst.num_running + inst.num_waiting < prof.max_num_seqs
+            if p.wait_for_kv and not fits:
+                # Waiting for a seat is in the forecast already; waiting for KV is not.
+                waited = cost + kv_wait_s(prof, inst.residents(), deficit, inst.block_size, edges=edges)
+                if waited < wait_best:
+                    wait_best = waited
             if deficit > 0:
                 s = inst.load_summary()
                 bins = s.decode_bins
@@ -267,4 +323,6 @@ class PredictedLatency(RoutingPolicy):
         scored = fit or (None if p.hold else unfit)
         if not scored:
             return None
+        if fit and p.hold and wait_best < min(fit)[0]:
+            return None  # an instance that will have room is cheaper than every one with room now
         return pick_cheapest(scored, ctx.near_tie, self._rng)
