@@ -36,7 +36,8 @@ from routerd.bench import load_to_rate, paired_interval, run_bench, seed_workloa
 from routerd.model import PREDICTOR_BUCKET_EDGES, bucket_mid_tokens
 from routerd.policies import PolicyContext, ResidentRequest, RequestFeatures, StaticInstanceView, build_policy
 from routerd.policies.base import ClusterView
-from routerd.profiles import parse_pool, pool_label
+from routerd.policies.registry import PolicyError, build_policy_from_spec
+from routerd.profiles import ProfileError, parse_pool, pool_label
 from routerd.workloads.errors import WorkloadError
 
 POOLS = "2xllama3.1-8b-a100,2xllama3.1-8b-h100;2xllama2-7b-v100,2xllama2-7b-a100"
@@ -69,8 +70,12 @@ def decision_cost(pool, residents: int, picks: int, seed: int = 0) -> dict[str, 
         for i in range(m):
             n_wait = residents // 8
             rs = [resident(False) for _ in range(residents - n_wait)] + [resident(True) for _ in range(n_wait)]
-            insts.append(StaticInstanceView.from_residents(i, rs, kv_total_blocks=pool[i].num_blocks,
-                                                           block_size=pool[i].block_size))
+            bs = pool[i].block_size
+            # A small GPU (a V100's 1,888 blocks) cannot hold 32 such residents: its view gets the
+            # blocks they hold, so the decision is priced at the asked residency.
+            held = sum(-(-(r.prompt_tokens + r.generated_tokens) // bs) for r in rs)
+            insts.append(StaticInstanceView.from_residents(i, rs, kv_total_blocks=max(pool[i].num_blocks, held),
+                                                           block_size=bs))
         views.append(ClusterView(0.0, insts, 1))
     ctx = PolicyContext(pool[0], m, profiles=tuple(pool))
     pols = {name: build_policy(name, {}, ctx) for name in ("round_robin", "predicted_latency")}
@@ -91,17 +96,18 @@ def decision_cost(pool, residents: int, picks: int, seed: int = 0) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--pools", default=POOLS, help="';'-separated pools, each COUNTxPROFILE,...")
-    ap.add_argument("--workloads", default=WORKLOADS)
+    ap.add_argument("--workloads", default=WORKLOADS, help="','-separated workload names")
     ap.add_argument("--loads", default="0.8,1.5,2", help="multiples of round robin's capacity")
-    ap.add_argument("--seeds", default="1,2,3,4,5", help="evaluation seeds (0 is the training window)")
+    ap.add_argument("--seeds", default="1,2,3,4,5", help="','-separated list of the evaluation seeds to run (0 is the training window)")
     ap.add_argument("--requests", type=int, default=1000, help="requests per sample")
-    ap.add_argument("--policies", default=";".join(POLICIES), help="';'-separated specs; must include round_robin")
+    ap.add_argument("--policies", default=";".join(POLICIES), help="';'-separated specs; must include round_robin and a predicted_latency spec")
     ap.add_argument("--blind", default=",".join(BLIND), help="the profile-blind heuristics to compare against")
     ap.add_argument("--residents", type=int, default=32, help="residents per instance for the decision cost")
     ap.add_argument("--picks", type=int, default=2000, help="timed picks per policy (0: skip)")
-    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--data-dir", default=None, help="folder with traces/ (default: ../shared/data)")
     ap.add_argument("--out", default="bench-out/mixed_pools.json",
                     help="the figures as JSON (default under bench-out/, which git ignores)")
     a = ap.parse_args(argv)
@@ -111,9 +117,20 @@ def main(argv: list[str] | None = None) -> int:
     target = next((s for s in specs if s.startswith("predicted_latency")), None)
     if "round_robin" not in specs or target is None:
         raise SystemExit("mixed_pools: --policies must include round_robin and predicted_latency")
-    seeds = [int(x) for x in a.seeds.split(",")]
-    loads = [float(x) for x in a.loads.split(",")]
-    pools = [parse_pool(p) for p in a.pools.split(";") if p.strip()]
+    try:
+        seeds = [int(x) for x in a.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds: a ','-separated list of integers, got {a.seeds!r}")
+    try:
+        loads = [float(x) for x in a.loads.split(",")]
+    except ValueError:
+        ap.error(f"--loads: a ','-separated list of numbers, got {a.loads!r}")
+    try:
+        pools = [parse_pool(p) for p in a.pools.split(";") if p.strip()]
+        for spec in specs:  # a misspelled policy or parameter fails here, before any run
+            build_policy_from_spec(spec, PolicyContext(pools[0][0], len(pools[0]), profiles=tuple(pools[0])))
+    except (ProfileError, PolicyError, ValueError, IndexError) as e:
+        ap.error(str(e).splitlines()[0] if str(e) else f"no pool in --pools {a.pools!r}")
     t_start = time.time()
     results: list[dict] = []
     skipped = ran = 0
@@ -172,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                                     "vs_best_blind_e2e_p99": vs_b99.as_dict()})
             sys.stdout.flush()
     if not ran:
-        print(f"\nmixed_pools: all {skipped} cases skipped: give the traces with --data-dir or "
-              "PHASEWISE_DATA_DIR (../shared/data by default); nothing written", file=sys.stderr)
+        print(f"\nmixed_pools: all {skipped} cases skipped (the reasons are above: a workload name, or traces "
+              "not found: give them with --data-dir or PHASEWISE_DATA_DIR, ../shared/data by default); "
+              "nothing written", file=sys.stderr)
         return 1
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=1))

@@ -12,8 +12,8 @@ history (cached, in the index's belief, where the policy sent it), the system pr
 wherever the group's other conversations went, the last 50 tokens are new. Prompts are hashed by
 routerd's :class:`~routerd.daemon.prefix.PrefixIdentity` (``prefix.chunk_blocks`` as given), untimed,
 right before each pick, as routerd hashes a prompt when it parses the request and then decides
-in the same callback; ``--hash-up-front`` hashes them all before timing instead (the setting of
-sessions 24-28, about 0.7-0.85x the p50 of this one). A second table, ``worst``, gives every instance the whole prompt (a system prompt of
+in the same callback; ``--hash-up-front`` hashes them all before timing instead (the setting until
+2026-12-03, about 0.7-0.85x the p50 of this one). A second table, ``worst``, gives every instance the whole prompt (a system prompt of
 the full length replicated everywhere), so every candidate's match walks every extent.
 
 Each timed pick is the policy's whole ``pick`` (scoring every candidate, its index's match per
@@ -356,12 +356,14 @@ def memory(bound: int, m: int, ttl: bool) -> list[tuple[int, float, int]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--n", type=int, default=3000, help="timed picks per case")
-    ap.add_argument("--instances", default="4,8")
+    ap.add_argument("--instances", default="4,8", help="','-separated instance counts")
     ap.add_argument("--tokens", default="1024,4096,8192", help="prompt sizes (tokens)")
     ap.add_argument("--chunk-blocks", default="4,1", help="prefix.chunk_blocks values (routerd's default first)")
-    ap.add_argument("--policies", default="llmd,sglang_cache_aware,dynamo_kv,phasewise")
+    ap.add_argument("--policies", default="llmd,sglang_cache_aware,dynamo_kv,phasewise",
+                    help="','-separated policies that keep a prefix index")
     ap.add_argument("--load", type=int, default=16, help="requests in flight per instance")
     ap.add_argument("--conversations", type=int, default=8, help="warm-up conversations per instance")
     ap.add_argument("--memory-bound", type=int, default=262_144,
@@ -372,7 +374,7 @@ def main() -> None:
     ap.add_argument("--modes", default="approximate,precise",
                     help="prefix.mode values (precise: the engines' KV-event indexes, bytes tokenizer)")
     ap.add_argument("--hash-up-front", action="store_true",
-                    help="hash every timed prompt before timing (sessions 24-28) instead of right "
+                    help="hash every timed prompt before timing (as the benchmark did until 2026-12-03) instead of right "
                          "before its pick, as routerd does at parse")
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each cell (the same seeded prompts and views); its figures are "
@@ -383,10 +385,21 @@ def main() -> None:
     modes = a.modes.split(",")
     if not set(modes) <= {"approximate", "precise"}:
         ap.error(f"--modes: approximate and/or precise, got {a.modes!r}")
-    ms = [int(x) for x in a.instances.split(",")]
-    sizes = [int(x) for x in a.tokens.split(",")]
-    chunks = [int(x) for x in a.chunk_blocks.split(",")]
+    lists = {}
+    for flag, text in (("--instances", a.instances), ("--tokens", a.tokens), ("--chunk-blocks", a.chunk_blocks)):
+        try:
+            lists[flag] = [int(x) for x in text.split(",")]
+        except ValueError:
+            ap.error(f"{flag}: a ','-separated list of integers, got {text!r}")
+        if min(lists[flag]) < 1:
+            ap.error(f"{flag}: every value at least 1, got {text!r}")
+    ms, sizes, chunks = lists["--instances"], lists["--tokens"], lists["--chunk-blocks"]
     pols = a.policies.split(",")
+    from routerd.policies.registry import POLICIES as REGISTERED
+
+    for name in pols:
+        if name not in REGISTERED:
+            ap.error(f"--policies: unknown policy {name!r}; valid: {', '.join(REGISTERED)}")
     if a.memory_bound:
         for ttl in (False, True):
             rows = memory(a.memory_bound, 4, ttl)
@@ -422,10 +435,11 @@ def main() -> None:
         what = ("worst: the whole prompt cached on every instance" if worst else
                 "conversations: history on one instance, system prompt (1/4) on several")
         print(f"\npick with prefix vs prefix=None, us ({what}; {PROFILE}, {a.load} in flight per instance);"
-              f" wall clock, then the thread's CPU clock (without preemption)")
+              f" wall clock, then the thread's CPU clock (without preemption); chunk 'tok': precise mode (KV-event"
+              f" index, one key per token block); medians of {a.repeat} runs, the largest run's CPU p99 beside")
         print(f"{'policy':>19} {'m':>2} {'tokens':>6} {'chunk':>5} | {'p50':>6} {'p99':>6} {'None':>5} {'None':>5} "
               f"{'x p50':>5} {'x p99':>5} | {'cpu p50':>7} {'p99':>6} {'None':>5} {'None':>5} {'x p50':>5} "
-              f"{'x p99':>5} | {'+update p50':>11} {'p99':>6} | {'gc':>5} | {'matched':>7} | {'worst p99':>9} {'steal%':>6}")
+              f"{'x p99':>5} | {'+update p50':>11} {'p99':>6} | {'gc':>5} | {'matched':>7} | {'max-run p99':>11} {'steal%':>6}")
         for chunk, precise in cases:
             for name in pols:
                 for m in ms:
@@ -437,7 +451,7 @@ def main() -> None:
                         print(f"{name:>19} {m:>2} {tokens:>6} {'tok' if precise else chunk:>5} | {w50:6.1f} {w99:6.1f} {o50:5.1f} "
                               f"{o99:5.1f} {w50 / o50:5.2f} {w99 / o99:5.2f} | {c50:7.1f} {c99:6.1f} {d50:5.1f} "
                               f"{d99:5.1f} {c50 / d50:5.2f} {c99 / d99:5.2f} | {e50:11.1f} {e99:6.1f} | {gcm:5.1f} | {mb:7.1f} | "
-                              f"{worst99:9.1f} {'-' if steal is None else f'{steal:.1f}':>6}{flag}")
+                              f"{worst99:11.1f} {'-' if steal is None else f'{steal:.1f}':>6}{flag}")
 
 
 if __name__ == "__main__":

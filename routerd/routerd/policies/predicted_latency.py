@@ -274,7 +274,8 @@ class Params(PolicyParams):
     """Also price each instance without KV headroom as the wait until its decodes free the
     request's deficit (:func:`kv_wait_s`) plus its forecast there, and hold while such an
     instance is cheaper than every one that fits: in a mixed pool, a fast instance about to free
-    room can beat a slow one that has room now (``late_binding`` takes the first that fits)."""
+    room can beat a slow one that has room now (``late_binding`` takes the first that fits).
+    Only with ``hold``: with ``hold=false`` the policy never holds, so it never waits."""
 
 
 class PredictedLatency(RoutingPolicy):
