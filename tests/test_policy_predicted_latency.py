@@ -122,21 +122,34 @@ def test_holds_only_when_nothing_fits():
 
 
 def test_kv_wait_by_hand():
-    # Decoding: 100 + 10 to go (frees blocks(110) = 7), 200 + 50 to go (frees blocks(250) = 16);
-    # a prefilling resident frees nothing first. Step now: 0.01 + 2 * 1e-3 + 1e-6 * 300 = 0.0123 s.
+    # Decoding: 100 + 10 to go (holds blocks(100) = 7 now), 200 + 50 to go (holds 13); a
+    # prefilling resident frees nothing first. Step now: 0.01 + 2 * 1e-3 + 1e-6 * 300 = 0.0123 s.
+    # At 10 steps the first ends: 7 released, the other grown by up to ceil(10 / 16) = 1: 6 free.
+    # At 50 steps both have ended: 7 + 13 = 20.
     rs = [res(100, pred=10), res(200, pred=50), res(500, pred=5, state="prefill")]
-    assert kv_wait_s(TOY, rs, 5, 16, edges=EDGES) == pytest.approx(10 * 0.0123, abs=1e-12)
-    assert kv_wait_s(TOY, rs, 7, 16, edges=EDGES) == pytest.approx(10 * 0.0123, abs=1e-12)
-    assert kv_wait_s(TOY, rs, 8, 16, edges=EDGES) == pytest.approx(50 * 0.0123, abs=1e-12)
-    assert kv_wait_s(TOY, rs, 24, 16, edges=EDGES) == math.inf  # 23 blocks is all they hold
-    assert kv_wait_s(TOY, rs, 0, 16, edges=EDGES) == 0.0
-    assert kv_wait_s(TOY, [res(500, state="waiting")], 1, 16, edges=EDGES) == math.inf
+    assert kv_wait_s(TOY, rs, 5, 16) == pytest.approx(10 * 0.0123, abs=1e-12)
+    assert kv_wait_s(TOY, rs, 6, 16) == pytest.approx(10 * 0.0123, abs=1e-12)
+    assert kv_wait_s(TOY, rs, 7, 16) == pytest.approx(50 * 0.0123, abs=1e-12)
+    assert kv_wait_s(TOY, rs, 20, 16) == pytest.approx(50 * 0.0123, abs=1e-12)
+    assert kv_wait_s(TOY, rs, 21, 16) == math.inf
+    assert kv_wait_s(TOY, rs, 0, 16) == 0.0
+    assert kv_wait_s(TOY, [res(500, state="waiting")], 1, 16) == math.inf
+    # Past its prediction a resident has no predicted end: it is never counted on (it was once
+    # promised one step away for as long as it ran), and it still grows: 18 steps for the other to
+    # end and release 13, less the long one's growth of ceil(18 / 16) = 2 blocks.
+    long = res(200, 300, pred=125, bucket=0)
+    assert kv_wait_s(TOY, [long], 1, 16) == math.inf
+    two = [long, res(200, pred=18)]
+    step2 = 0.01 + 2e-3 + 1e-6 * (500 + 200)
+    assert kv_wait_s(TOY, two, 11, 16) == pytest.approx(18 * step2, abs=1e-12)
+    assert kv_wait_s(TOY, two, 12, 16) == math.inf
 
 
 def test_waits_for_a_fast_instance_about_to_have_room():
     # The slow instance has room: 0.574065 s there. The fast one lacks 9 blocks (14 needed, 95
-    # usable, 90 used) but its one decode (200 + 10 to go) frees blocks(210) = 14 in 10 steps of
-    # (0.01 + 1e-3 + 200e-6) / 4 = 0.0028 s: 0.028 s, plus about 0.17 s there, is cheaper: hold.
+    # usable, 90 used) but its one decode (200 + 10 to go) ends in 10 steps of
+    # (0.01 + 1e-3 + 200e-6) / 4 = 0.0028 s (it holds blocks(200) = 13 now): 0.028 s, plus about
+    # 0.17 s there, is cheaper: hold.
     slow = inst(0, total=100)
     soon = inst(1, res(200, pred=10), total=100, used=90)
     assert make([TOY, TOY_FAST]).pick(req(160, 50), view(slow, soon)) is None
@@ -144,6 +157,9 @@ def test_waits_for_a_fast_instance_about_to_have_room():
     # 2,000 steps to go (5.6 s) is not worth waiting for; nor is anything with hold off.
     late = inst(1, res(200, pred=2000), total=100, used=90)
     assert make([TOY, TOY_FAST]).pick(req(160, 50), view(slow, late)) == 0
+    # One past its prediction is never waited for, however close its bucket says its end is.
+    past = inst(1, res(200, 140, pred=125, bucket=0), total=100, used=90)
+    assert make([TOY, TOY_FAST]).pick(req(160, 50), view(slow, past)) == 0
     assert make([TOY, TOY_FAST], hold=False).pick(req(160, 50), view(slow, soon)) == 0
 
 
@@ -192,7 +208,7 @@ def test_always_a_valid_index_or_a_justified_hold(cluster, prompt, out, hold, ma
             costs = [sum(x * w for x, w in zip(forecast(prof, v.residents(), prompt, out, edges=EDGES,
                                                         max_events=max_events), (1.0, 1.0)))
                      for v, prof in zip(insts, profiles)]
-            waited = [c + kv_wait_s(prof, v.residents(), kv_deficit_blocks(v, need, 0.05), 16, edges=EDGES)
+            waited = [c + kv_wait_s(prof, v.residents(), kv_deficit_blocks(v, need, 0.05), 16)
                       for c, v, prof, f in zip(costs, insts, profiles, fits) if not f]
             assert min(waited) < min(c for c, f in zip(costs, fits) if f)
     else:

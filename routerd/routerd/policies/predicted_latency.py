@@ -52,12 +52,13 @@ the default: every choice would preempt) or takes the cheapest, each unfit one p
 ``preemption_weight * k * block_size * deficit`` extra, the recompute its KV deficit would
 cause (as ``phasewise``; ``k = prefill_per_token + t_dec / max_num_batched_tokens``). With
 ``wait_for_kv`` (the default) an instance without room is also priced as the wait until its
-decodes free the request's KV deficit (``kv_wait_s``: predicted remaining steps at the current
-step time) plus its cost there, and the policy holds while that beats every instance with room:
+decodes free the request's KV deficit (``kv_wait_s``: the block count stepped to each predicted
+end at the current step time, the others' growth counted, residents past their prediction never
+counted on) plus its cost there, and the policy holds while that beats every instance with room:
 a mixed pool's fast instance about to finish a decode can beat a slow one that has room now,
 which ``late_binding`` (the first that fits) never waits for. Measured on the tuning window
-(seed 0 of ``benchmarks/mixed_pools.py``, session 29): mean E2E -11.4% -> -18.9% (1.5x) and
--5.4% -> -14.9% (2x) against ``late_binding`` on azure-code, 2 x V100 + 2 x A100; unchanged
+(seed 0 of ``benchmarks/mixed_pools.py``, 2026-12-03): mean E2E -11.4% -> -18.7% (1.5x) and
+-5.4% -> -14.4% (2x) against ``late_binding`` on azure-code, 2 x V100 + 2 x A100; unchanged
 wherever KV was not what filled the instances. Exact ties (1e-12 s) go to a seeded random
 choice; near-ties too with ``ctx.near_tie``.
 """
@@ -215,39 +216,49 @@ def forecast(
             events += 1
 
 
-def kv_wait_s(profile: HardwareProfile, residents: Sequence[ResidentRequest], deficit_blocks: int, block_size: int,
-              *, edges: tuple[int, ...]) -> float:
+def kv_wait_s(profile: HardwareProfile, residents: Sequence[ResidentRequest], deficit_blocks: int,
+              block_size: int) -> float:
     """Seconds until the decoding ``residents`` of an instance of ``profile`` free
-    ``deficit_blocks`` KV blocks (s; ``inf`` when finishing all of them would not), at the
-    current batch's step time.
+    ``deficit_blocks`` KV blocks (s; ``inf`` when the decodes whose end is predicted would not),
+    at the current batch's step time.
 
-    Each decoding resident frees ``blocks(prompt + generated + remaining)`` blocks (its
-    footprint at its predicted end, :func:`remaining_decode_steps`) after its remaining decode
-    steps; the step time is the profile's iteration time for the batch as it is now, kept
-    fixed (residents finishing would shorten it: an upper bound on the wait). Prefilling and
-    waiting residents free nothing before they decode. 0 for a deficit of 0 or less.
+    Stepping the block count forward to each predicted end ``K`` (decode steps from now, in
+    order): a resident that finishes releases the blocks it holds now, ``blocks(prompt +
+    generated)`` (what it grows by meanwhile is allocated and released with it); every resident
+    still decoding takes up to ``ceil(K / block_size)`` more, counted in full (an upper bound on
+    their growth, so the wait is never promised early on that account). Room comes at the first
+    end where released minus grown reaches the deficit, after ``K`` steps of the batch as it is
+    now (``overhead + decode_per_seq * B + decode_per_ctx_token * S``; finishing residents would
+    shorten it). A resident already past its predicted length (``generated >= predicted``) has no
+    predicted end: it grows and is never counted as freeing anything, so a misprediction cannot
+    keep promising room one step away. Prefilling and waiting residents free nothing before
+    they decode (their blocks count in :func:`kv_deficit_blocks`). 0 for a deficit of 0 or less.
     """
     if deficit_blocks <= 0:
         return 0.0
     ends: list[tuple[float, int]] = []
+    growing = 0  # decoding residents, each growing by a token per step until it ends
     B = 0
     S = 0
     for r in residents:
         if r.in_prefill:
             continue
-        rest = remaining_decode_steps(r, edges)
         ctx = r.prompt_tokens + r.generated_tokens
         B += 1
         S += ctx
-        ends.append((rest, blocks_for(int(ctx + rest + 0.999999), block_size)))
+        growing += 1
+        rest = r.predicted_output_tokens - r.generated_tokens
+        if rest > 0.0:
+            ends.append((rest, blocks_for(ctx, block_size)))
     if not ends:
         return math.inf
     ends.sort()
     step = profile.overhead_s + profile.decode_per_seq_s * B + profile.decode_per_ctx_token_s * S
-    freed = 0
+    released = 0
     for rest, blocks in ends:
-        freed += blocks
-        if freed >= deficit_blocks:
+        released += blocks
+        growing -= 1
+        if released - growing * math.ceil(rest / block_size) >= deficit_blocks:
             return rest * step
     return math.inf
 
@@ -275,7 +286,8 @@ class Params(PolicyParams):
     request's deficit (:func:`kv_wait_s`) plus its forecast there, and hold while such an
     instance is cheaper than every one that fits: in a mixed pool, a fast instance about to free
     room can beat a slow one that has room now (``late_binding`` takes the first that fits).
-    Only with ``hold``: with ``hold=false`` the policy never holds, so it never waits."""
+    Only with ``hold``: with ``hold=false`` the policy never holds, so it never waits. Residents
+    past their predicted length are never counted on to free room (:func:`kv_wait_s`)."""
 
 
 class PredictedLatency(RoutingPolicy):
@@ -310,7 +322,7 @@ class PredictedLatency(RoutingPolicy):
             fits = deficit <= 0 and inst.num_running + inst.num_waiting < prof.max_num_seqs
             if p.wait_for_kv and not fits:
                 # Waiting for a seat is in the forecast already; waiting for KV is not.
-                waited = cost + kv_wait_s(prof, inst.residents(), deficit, inst.block_size, edges=edges)
+                waited = cost + kv_wait_s(prof, inst.residents(), deficit, inst.block_size)
                 if waited < wait_best:
                     wait_best = waited
             if deficit > 0:
