@@ -630,7 +630,8 @@ def _cmd_policies(args: argparse.Namespace) -> int:
     from routerd.policies.registry import DEFAULT_BENCH_POLICIES, POLICIES
 
     for name, cls in POLICIES.items():
-        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        # The class docstring's first paragraph, on one line (some wrap their summary).
+        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
         tags = [t for t, on in (("oracle", cls.oracle), ("default", name in DEFAULT_BENCH_POLICIES)) if on]
         print(f"{name}{' [' + ', '.join(tags) + ']' if tags else ''}: {doc}")
         for field, info in cls.Params.model_fields.items():
