@@ -19,6 +19,7 @@ from routerd.policies.dynamo_kv import DynamoKv
 from routerd.policies.join_shortest_queue import JoinShortestQueue
 from routerd.policies.kv_headroom import LateBinding
 from routerd.policies.kv_queue_scorer import QueueKvScorer
+from routerd.policies.learned_linear import LearnedLinear
 from routerd.policies.least_outstanding_tokens import LeastOutstandingTokens
 from routerd.policies.llmd import LlmD
 from routerd.policies.lmetric import LMetric
@@ -63,11 +64,13 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
         DecodeBalancer,
         Oracle,
         DQNPolicy,
+        # Learned by evolution strategies on whole samples (routerd/rl/es.py, issue 18).
+        LearnedLinear,
     )
 }
 """Every routing policy by its ``name``."""
 
-NOT_IN_DEFAULT_BENCH: frozenset[str] = frozenset({"predicted_latency"})
+NOT_IN_DEFAULT_BENCH: frozenset[str] = frozenset({"predicted_latency", "learned_linear"})
 """Policies a default ``phasewise bench`` does not run: added after the default table was
 published (issue 18); run them with ``--policies``, so the default output stays what it was."""
 
