@@ -19,6 +19,7 @@ from test_policies import TOY, inst, req, res, view
 
 from routerd.policies import PolicyContext, build_policy
 from routerd.policies.join_shortest_queue import outstanding_tokens
+from routerd.policies.kv_headroom import blocks_for, predicted_footprint_tokens
 from routerd.policies.learned_linear import (
     FEATURES,
     LATE_BINDING_WEIGHTS,
@@ -92,6 +93,31 @@ def test_late_binding_weights_choose_as_late_binding(spec, prompt, out):
         assert mine == lb
     else:
         assert mine is not None and outs[mine] == outs[lb]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(_resident, max_size=6), st.integers(50, 2000), st.integers(0, 2000)),
+                min_size=1, max_size=5),
+       st.integers(1, 4000), st.sampled_from([125.0, 625.0, 2500.0]),
+       st.lists(st.floats(-5, 5), min_size=len(FEATURES), max_size=len(FEATURES)))
+def test_the_choice_is_the_lowest_dot_product_of_the_features(spec, prompt, out, w):
+    insts = [inst(i, *sorted(rs, key=lambda r: r.waiting), total=total, used=min(used, total))
+             for i, (rs, total, used) in enumerate(spec)]
+    mine = make(w, m=len(insts)).pick(req(prompt, out), view(*insts))
+    outs = [outstanding_tokens(x) for x in insts]
+    mean = max(1.0, sum(outs) / len(outs))
+    scores = {}
+    for v, o in zip(insts, outs):
+        usable = int(v.kv_total_blocks * 0.95)
+        need = min(blocks_for(predicted_footprint_tokens(prompt, out, TOY.max_model_len), 16), usable)
+        free = usable - v.kv_used_blocks - sum(-(-(r.prompt_tokens + r.generated_tokens) // 16)
+                                               for r in v.residents() if r.waiting)
+        if v.num_waiting == 0 and v.num_running < TOY.max_num_seqs and need <= free:
+            scores[v.index] = sum(a * b for a, b in zip(w, instance_features(prompt, out, v, o, mean, need, free)))
+    if not scores:
+        assert mine is None
+    else:
+        assert mine in scores and scores[mine] <= min(scores.values()) + 1e-9 * (1 + abs(min(scores.values())))
 
 
 def test_checkpoint_round_trip_and_errors(tmp_path):

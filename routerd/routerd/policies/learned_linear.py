@@ -78,9 +78,16 @@ class LinearCheckpoint:
     metadata: dict[str, Any]
 
 
-def default_checkpoint_path() -> Path:
-    """The checkpoint shipped with the package (4 x llama2-7b-v100, public-mix, 1.5x load)."""
-    return Path(str(resources.files("routerd") / "data" / "checkpoints" / "linear-default" / "linear.json"))
+SHIPPED = {"default": "linear-default", "public-mix": "linear-default", "azure-conv": "linear-azure-conv",
+           "azure-code": "linear-azure-code"}
+"""Checkpoints shipped with the package, by name (``checkpoint=NAME``): each trained on 4 x
+llama2-7b-v100 at 1.5x round robin's capacity on that workload's training part; ``default`` is
+public-mix's. docs/rl.md has each one's held-out figures."""
+
+
+def default_checkpoint_path(name: str = DEFAULT_CHECKPOINT) -> Path:
+    """The ``linear.json`` of shipped checkpoint ``name`` (:data:`SHIPPED`)."""
+    return Path(str(resources.files("routerd") / "data" / "checkpoints" / SHIPPED[name] / "linear.json"))
 
 
 def save_linear_checkpoint(path: str | Path, weights: Sequence[float], metadata: dict[str, Any]) -> Path:
@@ -98,13 +105,13 @@ def save_linear_checkpoint(path: str | Path, weights: Sequence[float], metadata:
 
 
 def load_linear_checkpoint(spec: str | Path) -> LinearCheckpoint:
-    """``default`` (the shipped one) or a folder holding ``linear.json`` (or the file itself).
+    """A shipped name (:data:`SHIPPED`), or a folder holding ``linear.json`` (or the file itself).
 
     Raises:
         LinearCheckpointError: missing or unreadable, another format or feature layout, a
             weight missing, unknown or not a finite number.
     """
-    path = default_checkpoint_path() if str(spec) == DEFAULT_CHECKPOINT else Path(spec)
+    path = default_checkpoint_path(str(spec)) if str(spec) in SHIPPED else Path(spec)
     if path.is_dir():
         path = path / "linear.json"
     try:
@@ -150,8 +157,9 @@ class Params(PolicyParams):
     """Parameters of ``learned_linear``."""
 
     checkpoint: str = DEFAULT_CHECKPOINT
-    """Checkpoint folder (``python -m routerd.rl.es --output``) or ``default``, the one shipped
-    with the package (trained on 4 x llama2-7b-v100, public-mix at 1.5x round robin's capacity)."""
+    """Checkpoint folder (``python -m routerd.rl.es --output``) or a shipped one: ``default`` (=
+    ``public-mix``), ``azure-conv`` or ``azure-code``, each trained on 4 x llama2-7b-v100 at 1.5x
+    round robin's capacity on that workload's training part."""
     reserve_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
     """Fraction of each instance's KV blocks kept free for outputs longer than predicted
     (``late_binding``'s default; the shipped weights were trained with it)."""
@@ -194,7 +202,14 @@ class LearnedLinear(RoutingPolicy):
         mean = sum(outs) / len(outs) if outs else 1.0
         if mean < 1.0:
             mean = 1.0
-        w = self.weights
+        # w . instance_features(...), multiplied out: the request's terms fold into per-decision
+        # coefficients (the same sum; tests/test_policy_learned_linear.py holds the choices to it).
+        w0, w1, w2, w3, w4, w5, w6, w7, w8, w9 = self.weights
+        c_out = w0 / mean
+        c_run = w1 / 32.0 + w8 * request.prompt_tokens / 1024.0 / 32.0
+        c_wait = w2 / 8.0
+        c_kv = w3 + w7 * request.predicted_output_tokens / 1024.0
+        c_b0, c_b1, c_b2 = w4 / 32.0, w5 / 32.0, w6 / 32.0
         scored: list[tuple[float, int]] = []
         for inst, out in zip(insts, outs):
             i = inst.index
@@ -208,8 +223,10 @@ class LearnedLinear(RoutingPolicy):
             free = usable - inst.kv_used_blocks - waiting_kv_blocks(inst)
             if need > free:
                 continue
-            x = instance_features(request.prompt_tokens, request.predicted_output_tokens, inst, out, mean, need, free)
-            scored.append((sum(a * b for a, b in zip(w, x)), i))
+            bins = inst.load_summary().decode_bins
+            total = inst.kv_total_blocks if inst.kv_total_blocks > 0 else 1
+            scored.append((c_out * out + c_run * inst.num_running + c_wait * inst.num_waiting + c_kv * inst.kv_usage
+                           + c_b0 * bins[0] + c_b1 * bins[1] + c_b2 * bins[2] + w9 * (free - need) / total, i))
         if not scored:
             return None
         return pick_cheapest(scored, ctx.near_tie, self._rng)
