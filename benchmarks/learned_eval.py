@@ -116,11 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     specs = [s for s in a.policies.split(";") if s]
     if "round_robin" not in specs or "late_binding" not in specs:
         ap.error("--policies must include round_robin and late_binding")
-    if a.seeds < 2 or a.requests < 1:
-        ap.error("--seeds must be >= 2 and --requests >= 1")
+    if a.seeds < 2 or a.requests < 1 or a.picks < 0 or a.residents < 1:
+        ap.error("--seeds must be >= 2, --requests and --residents >= 1, --picks >= 0")
     try:
         ms = [int(x) for x in a.instances.split(",")]
         loads = [float(x) for x in a.loads.split(",")]
+        if min(ms) < 1 or not all(x > 0 for x in loads):
+            raise ValueError(f"--instances and --loads must be > 0, got {a.instances!r} and {a.loads!r}")
         prof = get_profile(a.profile)
         for wl in a.workloads.split(","):
             splits.sample(wl, "eval", a.seeds - 1, a.requests, 20.0, a.data_dir)

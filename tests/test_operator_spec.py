@@ -135,6 +135,10 @@ def test_emulated_groups_are_checked_like_the_engine(group, field, words):
     ({"routing": {"policy": "dqn"}}, "spec.routing.checkpoint", "needs a checkpoint"),
     ({"routing": {"policy": "dqn", "checkpoint": {"configMap": "c"}, "params": {"checkpoint": "/x"}}},
      "spec.routing.params.checkpoint", "routing.checkpoint.configMap"),
+    ({"routing": {"policy": "learned_linear", "params": {"checkpoint": "/x"}}},
+     "spec.routing.params.checkpoint", "shipped checkpoint here: default, public-mix, azure-conv; got '/x'"),
+    ({"routing": {"policy": "learned_linear", "checkpoint": {"configMap": "c"}}},
+     "spec.routing.checkpoint", "read by policy dqn only, not learned_linear"),
     ({"hardwareProfile": {"name": "h100-dream"}}, "spec.hardwareProfile.name", "unknown profile 'h100-dream'"),
     ({"hardwareProfile": {"inline": {"basedOn": "nope", "grad1": 1e-4, "grad2": 1e-5, "overheadS": 0,
                                      "kvCapacityTokens": 8192}}},
@@ -164,6 +168,7 @@ def test_good_specs_pass_and_label_their_profile():
                                            "params": {"allow_hold": False}}})
     check_pool(ps)
     assert profile_label(ps) == "llama2-7b-v100"
+    check_pool(parse_pool_spec({**M, "routing": {"policy": "learned_linear", "params": {"checkpoint": "azure-conv"}}}))
     ps = parse_pool_spec({**M, "hardwareProfile": {"inline": {"basedOn": "llama2-7b-a100", "grad1": 5e-5,
                                                               "grad2": 3.3e-5, "overheadS": 0.01,
                                                               "kvCapacityTokens": 118784}}})

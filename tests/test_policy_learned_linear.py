@@ -133,20 +133,28 @@ def test_checkpoint_round_trip_and_errors(tmp_path):
                           (lambda d: d.update(features="pw-lin-v0"), "features 'pw-lin-v0'"),
                           (lambda d: d["weights"].pop("kv_usage"), "expected"),
                           (lambda d: d["weights"].update(kv_usage="1"), "kv_usage='1'"),
-                          (lambda d: d["weights"].update(kv_usage=True), "kv_usage=True")):
+                          (lambda d: d["weights"].update(kv_usage=True), "kv_usage='True'"),
+                          (lambda d: d["weights"].update(kv_usage=2e6), "within \\+-1e\\+06"),
+                          (lambda d: d["weights"].update(kv_usage=10 ** 400), "is not a number")):
         bad = json.loads(json.dumps(doc))
         change(bad)
         f.write_text(json.dumps(bad))
         with pytest.raises(LinearCheckpointError, match=words):
             load_linear_checkpoint(tmp_path / "ck")
     f.write_text(json.dumps(doc).replace("-1.0", "NaN", 1))
-    with pytest.raises(LinearCheckpointError, match="not a finite number"):
+    with pytest.raises(LinearCheckpointError, match="is not a number"):
         load_linear_checkpoint(f)
-    f.write_text("{")
-    with pytest.raises(LinearCheckpointError, match="unreadable"):
-        load_linear_checkpoint(f)
-    with pytest.raises(LinearCheckpointError, match="finite weights"):
+    for text in ("{", "[" * 100_000, '{"x": ' + "9" * 5000 + "}", b"\xff\xfe".decode("latin-1")):
+        f.write_text(text)
+        with pytest.raises(LinearCheckpointError, match="unreadable"):
+            load_linear_checkpoint(f)
+    with pytest.raises(LinearCheckpointError, match="empty"):
+        load_linear_checkpoint("")
+    with pytest.raises(LinearCheckpointError, match="weights within"):
         LearnedLinear(PolicyContext(TOY, 2), weights=[math.inf] * len(FEATURES))
+    # The largest allowed weights cannot overflow a score to NaN: the policy still chooses.
+    big = LearnedLinear(PolicyContext(TOY, 2), weights=[1e6] * len(FEATURES))
+    assert big.pick(req(160, 50), view(inst(0, res(100, pred=100)), inst(1))) in (0, 1)
 
 
 def test_the_shipped_checkpoint_validated_better_than_late_binding():
@@ -169,3 +177,11 @@ def test_a_training_run_is_reproducible(tmp_path):
     assert a["training"]["final_weights"] != list(LATE_BINDING_WEIGHTS)  # it moved
     with pytest.raises(ValueError, match="pairs must be >= 1"):
         train_es(ESArgs(pairs=0, output=str(tmp_path / "c")))
+    with pytest.raises(ValueError, match="sigma must be a finite number"):
+        train_es(ESArgs(sigma=math.inf, output=str(tmp_path / "c")))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not a folder"):
+        train_es(ESArgs(**args, output=str(tmp_path / "file")))
+    with pytest.raises(ValueError, match="fewer than n=5000"):
+        train_es(ESArgs(workload="sample", validate_requests=5000, output=str(tmp_path / "c")))
+    assert not (tmp_path / "c").exists()

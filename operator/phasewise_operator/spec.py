@@ -703,7 +703,18 @@ def check_pool(spec: PoolSpec) -> None:
         why = "an oracle policy runs only in the simulator" if routing.policy in POLICIES else "unknown policy"
         raise SpecError("spec.routing.policy", f"{why} {routing.policy!r}; valid: {', '.join(live)}")
     if "checkpoint" in routing.params:
-        raise SpecError("spec.routing.params.checkpoint", "give the DQN checkpoint as routing.checkpoint.configMap")
+        if routing.policy != "learned_linear":
+            raise SpecError("spec.routing.params.checkpoint", "give the DQN checkpoint as routing.checkpoint.configMap")
+        from routerd.policies.learned_linear import SHIPPED
+
+        if routing.params["checkpoint"] not in SHIPPED:
+            # routerd's pod holds only the package's own checkpoints (no volume for a folder).
+            raise SpecError("spec.routing.params.checkpoint",
+                            f"learned_linear takes a shipped checkpoint here: {', '.join(SHIPPED)}; "
+                            f"got {routing.params['checkpoint']!r}")
+    if routing.checkpoint is not None and routing.policy != "dqn":
+        raise SpecError("spec.routing.checkpoint", f"a checkpoint ConfigMap is read by policy dqn only, not "
+                                                   f"{routing.policy}")
     if routing.policy == "dqn" and routing.checkpoint is None:
         raise SpecError("spec.routing.checkpoint", "policy dqn needs a checkpoint ConfigMap")
     params_model = POLICIES[routing.policy].Params

@@ -383,7 +383,7 @@ class RouterConfig(_Model):
     break ties differently (it is logged at start); set one to replay decisions exactly."""
     near_tie: float = Field(default=0.05, ge=0.0, le=1.0)
     """Relative width of a near-tie for ``join_shortest_queue``, ``least_outstanding_tokens``,
-    ``late_binding`` and ``phasewise``: an instance whose load score is within this fraction of
+    ``late_binding``, ``phasewise``, ``predicted_latency`` and ``learned_linear``: an instance whose load score is within this fraction of
     the best one's counts as tied, and one of those is chosen at random (seeded by the policy's
     seed). Several replicas deciding on the same sidecar report then spread over near-equal
     instances instead of all taking the strictly lightest; 0 keeps each policy's own rule (the

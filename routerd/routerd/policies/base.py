@@ -175,7 +175,8 @@ class PolicyContext:
     bucket_edges: tuple[int, ...] = field(default=PREDICTOR_BUCKET_EDGES)
     near_tie: float = 0.0
     """Relative width of a near-tie for the load-scoring policies (``join_shortest_queue``,
-    ``least_outstanding_tokens``, ``late_binding``, ``phasewise``): a candidate whose score is
+    ``least_outstanding_tokens``, ``late_binding``, ``phasewise``, ``predicted_latency``,
+    ``learned_linear``: within ``near_tie * |best|`` for the last two): a candidate whose score is
     at most ``best * (1 + near_tie)`` counts as tied with the best, and one of those is
     picked at random (the policy's seeded generator). 0 (the simulator's setting): the best
     alone, as each policy's source defines it. routerd sets ``router.near_tie`` so that

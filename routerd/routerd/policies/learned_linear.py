@@ -9,7 +9,10 @@ with the lowest ``w . x``, ``x`` the instance's features (:data:`FEATURES`, layo
 :data:`FEATURE_VERSION`, computed by :func:`instance_features`) and ``w`` learned by evolution
 strategies on whole simulated samples (``routerd/rl/es.py``: Salimans et al. 2017, antithetic
 sampling, common random numbers). ``w = (1, 0, ..., 0)`` is ``late_binding`` itself (least
-outstanding tokens among the admissible), where training starts.
+outstanding tokens among the admissible), where training starts, on a pool of one profile and up
+to exact ties: those go to the seeded generator here (``late_binding`` takes the first in view
+order; routerd shuffles its views), and each instance's own profile sets its sequence limit
+(``late_binding`` applies the first profile's to all).
 
 Features of instance ``i`` for a request of ``p`` prompt and ``d`` predicted output tokens
 (all from the router's view, so the same in the simulator and in routerd):
@@ -27,7 +30,9 @@ prompt_x_running    ``p / 1024 * running / 32``: long prefills stalling many dec
 headroom_after      (usable blocks - used - waiting - the request's) / total blocks
 ==================  =========================================================================
 
-Exact score ties go to the seeded generator (``pick_cheapest``; near-ties with ``ctx.near_tie``).
+Exact score ties go to the seeded generator (``pick_cheapest``; near-ties with ``ctx.near_tie``,
+relative to the lowest score's magnitude: the scores have no unit). A score that is not finite
+(only from a non-finite prediction) leaves its instance out.
 Per-instance profiles (a mixed pool) set each instance's sequence limit; the features carry no
 speed, so on a mixed pool it is a profile-blind heuristic.
 """
@@ -61,6 +66,10 @@ FEATURES = ("outstanding_rel", "running", "waiting", "kv_usage", "decode_short",
             "pred_x_kv", "prompt_x_running", "headroom_after")
 FORMAT = "phasewise-linear/1"
 DEFAULT_CHECKPOINT = "default"
+MAX_WEIGHT = 1e6
+"""Largest weight magnitude a checkpoint may hold: the features are about 0..1 (a few units at
+most), so beyond it a score means nothing, and products of larger ones can overflow to inf and
+NaN. The trained ones are under 10."""
 LATE_BINDING_WEIGHTS = (1.0,) + (0.0,) * (len(FEATURES) - 1)
 """The weights under which the policy is ``late_binding`` (training starts here)."""
 
@@ -78,11 +87,11 @@ class LinearCheckpoint:
     metadata: dict[str, Any]
 
 
-SHIPPED = {"default": "linear-default", "public-mix": "linear-default", "azure-conv": "linear-azure-conv",
-           "azure-code": "linear-azure-code"}
+SHIPPED = {"default": "linear-default", "public-mix": "linear-default", "azure-conv": "linear-azure-conv"}
 """Checkpoints shipped with the package, by name (``checkpoint=NAME``): each trained on 4 x
 llama2-7b-v100 at 1.5x round robin's capacity on that workload's training part; ``default`` is
-public-mix's. docs/rl.md has each one's held-out figures."""
+public-mix's. None ships for azure-code: training there did not validate better than
+``late_binding``. docs/rl.md has each one's held-out figures."""
 
 
 def default_checkpoint_path(name: str = DEFAULT_CHECKPOINT) -> Path:
@@ -107,19 +116,26 @@ def save_linear_checkpoint(path: str | Path, weights: Sequence[float], metadata:
 def load_linear_checkpoint(spec: str | Path) -> LinearCheckpoint:
     """A shipped name (:data:`SHIPPED`), or a folder holding ``linear.json`` (or the file itself).
 
+    A shipped name wins over a folder of the same name (give ``./default`` for a local folder).
+
     Raises:
-        LinearCheckpointError: missing or unreadable, another format or feature layout, a
-            weight missing, unknown or not a finite number.
+        LinearCheckpointError: empty, missing or unreadable (not UTF-8, not JSON, nested too
+            deep), another format or feature layout, a weight missing, unknown, not a number or
+            beyond :data:`MAX_WEIGHT`.
     """
     path = default_checkpoint_path(str(spec)) if str(spec) in SHIPPED else Path(spec)
     if path.is_dir():
         path = path / "linear.json"
+    if not str(spec):
+        raise LinearCheckpointError("learned_linear checkpoint: empty; give a folder or one of "
+                                    f"{', '.join(SHIPPED)}")
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
         raise LinearCheckpointError(f"learned_linear checkpoint {path}: not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LinearCheckpointError(f"learned_linear checkpoint {path}: unreadable ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8, bad JSON, huge integers
+        raise LinearCheckpointError(f"learned_linear checkpoint {path}: unreadable ({type(e).__name__}: "
+                                    f"{str(e)[:200]})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise LinearCheckpointError(f"learned_linear checkpoint {path}: format {doc.get('format') if isinstance(doc, dict) else None!r}, "
                                     f"expected {FORMAT!r}")
@@ -133,8 +149,13 @@ def load_linear_checkpoint(spec: str | Path) -> LinearCheckpoint:
     vals = []
     for name in FEATURES:
         v = w[name]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise LinearCheckpointError(f"learned_linear checkpoint {path}: weight {name}={v!r} is not a finite number")
+        try:
+            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and abs(float(v)) <= MAX_WEIGHT
+        except OverflowError:  # an integer past float's range
+            ok = False
+        if not ok:
+            raise LinearCheckpointError(f"learned_linear checkpoint {path}: weight {name}={str(v)[:40]!r} is not a "
+                                        f"number within +-{MAX_WEIGHT:g}")
         vals.append(float(v))
     return LinearCheckpoint(path, tuple(vals), doc)
 
@@ -158,8 +179,8 @@ class Params(PolicyParams):
 
     checkpoint: str = DEFAULT_CHECKPOINT
     """Checkpoint folder (``python -m routerd.rl.es --output``) or a shipped one: ``default`` (=
-    ``public-mix``), ``azure-conv`` or ``azure-code``, each trained on 4 x llama2-7b-v100 at 1.5x
-    round robin's capacity on that workload's training part."""
+    ``public-mix``) or ``azure-conv``, each trained on 4 x llama2-7b-v100 at 1.5x round robin's
+    capacity on that workload's training part."""
     reserve_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
     """Fraction of each instance's KV blocks kept free for outputs longer than predicted
     (``late_binding``'s default; the shipped weights were trained with it)."""
@@ -185,8 +206,10 @@ class LearnedLinear(RoutingPolicy):
         if weights is None:
             self.checkpoint = load_linear_checkpoint(self.params.checkpoint)
             weights = self.checkpoint.weights
-        if len(weights) != len(FEATURES) or not all(math.isfinite(float(w)) for w in weights):
-            raise LinearCheckpointError(f"learned_linear: {len(FEATURES)} finite weights needed, got {list(weights)}")
+        if len(weights) != len(FEATURES) or not all(math.isfinite(float(w)) and abs(float(w)) <= MAX_WEIGHT
+                                                    for w in weights):
+            raise LinearCheckpointError(f"learned_linear: {len(FEATURES)} weights within +-{MAX_WEIGHT:g} needed, "
+                                        f"got {[float(w) for w in weights]}")
         self.weights = tuple(float(w) for w in weights)
         self._rng = random.Random(ctx.seed)
 
@@ -225,8 +248,10 @@ class LearnedLinear(RoutingPolicy):
                 continue
             bins = inst.load_summary().decode_bins
             total = inst.kv_total_blocks if inst.kv_total_blocks > 0 else 1
-            scored.append((c_out * out + c_run * inst.num_running + c_wait * inst.num_waiting + c_kv * inst.kv_usage
-                           + c_b0 * bins[0] + c_b1 * bins[1] + c_b2 * bins[2] + w9 * (free - need) / total, i))
+            score = (c_out * out + c_run * inst.num_running + c_wait * inst.num_waiting + c_kv * inst.kv_usage
+                     + c_b0 * bins[0] + c_b1 * bins[1] + c_b2 * bins[2] + w9 * (free - need) / total)
+            if score - score == 0.0:  # finite: a NaN or an infinity (from a non-finite prediction) is not a score
+                scored.append((score, i))
         if not scored:
             return None
         return pick_cheapest(scored, ctx.near_tie, self._rng)

@@ -27,12 +27,15 @@ The loop (``python -m routerd.rl.es``; :class:`ESArgs` holds every setting):
 
 Everything is seeded (``numpy.random.default_rng(seed)``; the simulator is deterministic per
 sample), so a run is reproducible. Cost: ``generations * samples * (2 * pairs + 2)`` simulations
-of ``requests`` requests, spread over ``jobs`` processes.
+of ``requests`` requests and ``2 * validate`` of ``validate_requests``, spread over ``jobs``
+processes. Every setting, the output folder included, is checked before the first simulation.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import statistics
 import sys
 import time
@@ -126,13 +129,23 @@ def train_es(args: ESArgs, log: Callable[[str], None] = print) -> Path:
     for name in ("instances", "requests", "samples", "generations", "pairs", "validate", "validate_requests", "jobs"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
-    if not args.load > 0 or not args.sigma > 0 or not args.learning_rate > 0:
-        raise ValueError("load, sigma and learning_rate must be > 0")
+    for name in ("load", "sigma", "learning_rate"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {v}")
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out}: exists and is not a folder")
+    parent = next((p for p in (out, *out.parents) if p.exists()), Path("."))
+    if not (parent.is_dir() and os.access(parent, os.W_OK)):
+        raise ValueError(f"output {out}: cannot be created ({parent} is not a writable folder)")
     if not 0 <= args.seed < 9:
         raise ValueError(f"seed must be 0..8 (sample indices seed * 100,000 + ... stay below the validation "
                          f"samples' 900,000), got {args.seed}")
     get_profile(args.profile)
-    splits.sample(args.workload, "train", 0, args.requests, 20.0, args.data_dir)  # fails now, not later
+    # Fail now, not after training: the workload, and samples as long as training and validation need.
+    splits.sample(args.workload, "train", 0, args.requests, 20.0, args.data_dir)
+    splits.sample(args.workload, "train", VALIDATE_INDEX_BASE, args.validate_requests, 20.0, args.data_dir)
     _ARGS = args
     _SAMPLES.clear()
     t0 = time.perf_counter()
