@@ -56,29 +56,21 @@ def specs_for(workload: str, specs: list[str]) -> list[str]:
 def decision_cost(prof, m: int, residents: int, picks: int, specs: list[str], seed: int = 0) -> dict[str, tuple[float, float]]:
     """(p50, p99) thread CPU per ``pick`` (us) of each spec, and the share of its picks that
     dispatched, on routerd's own instance views (``routerd.daemon.state.EndpointState``, O(1)
-    load aggregates, as a live decision reads them) of ``m`` instances of ``prof`` with
-    ``residents`` requests each (3 in 4 decoding), interleaved. ``prof`` should have room for
+    load aggregates, as a live decision reads them; ``benchmarks/prefix_decision_cost.py``'s
+    ``views``) of ``m`` instances of ``prof`` with ``residents`` requests each (3 in 4
+    decoding), interleaved. ``prof`` should have room for
     them (a hold costs less than a choice)."""
     import random
 
     import numpy as np
 
-    from routerd.daemon.state import EndpointState, Inflight
     from routerd.policies import RequestFeatures
     from routerd.policies.base import ClusterView
 
-    gen = np.random.default_rng(seed)
-    eps = []
-    for i in range(m):
-        ep = EndpointState(i, f"e{i}", f"http://10.0.0.{i}:8000", None, True, prof)
-        for k in range(residents):
-            r = Inflight(k, k, int(gen.integers(200, 2000)), int(gen.integers(0, 4)), 400.0, 0.0)
-            ep.add(r, 0.0)
-            if k % 4:
-                ep.on_first_token(r)
-                ep.on_tokens(r, int(gen.integers(1, 300)))
-        ep.refresh(0.0, 2.0)
-        eps.append(ep)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from prefix_decision_cost import views  # routerd's own views with residents, as the prefix benchmark builds them
+
+    eps = views(prof, m, residents, np.random.default_rng(seed))
     view = ClusterView(0.0, eps, 1)
     rng = random.Random(seed)
     pols = {s: build_policy_from_spec(s, PolicyContext(prof, m, seed=seed)) for s in specs}
