@@ -137,8 +137,6 @@ def test_emulated_groups_are_checked_like_the_engine(group, field, words):
      "spec.routing.params.checkpoint", "routing.checkpoint.configMap"),
     ({"routing": {"policy": "learned_linear", "params": {"checkpoint": "/x"}}},
      "spec.routing.params.checkpoint", "shipped checkpoint here: default, public-mix, azure-conv; got '/x'"),
-    ({"routing": {"policy": "learned_linear", "checkpoint": {"configMap": "c"}}},
-     "spec.routing.checkpoint", "read by policy dqn only, not learned_linear"),
     ({"hardwareProfile": {"name": "h100-dream"}}, "spec.hardwareProfile.name", "unknown profile 'h100-dream'"),
     ({"hardwareProfile": {"inline": {"basedOn": "nope", "grad1": 1e-4, "grad2": 1e-5, "overheadS": 0,
                                      "kvCapacityTokens": 8192}}},

@@ -712,9 +712,7 @@ def check_pool(spec: PoolSpec) -> None:
             raise SpecError("spec.routing.params.checkpoint",
                             f"learned_linear takes a shipped checkpoint here: {', '.join(SHIPPED)}; "
                             f"got {routing.params['checkpoint']!r}")
-    if routing.checkpoint is not None and routing.policy != "dqn":
-        raise SpecError("spec.routing.checkpoint", f"a checkpoint ConfigMap is read by policy dqn only, not "
-                                                   f"{routing.policy}")
+
     if routing.policy == "dqn" and routing.checkpoint is None:
         raise SpecError("spec.routing.checkpoint", "policy dqn needs a checkpoint ConfigMap")
     params_model = POLICIES[routing.policy].Params
