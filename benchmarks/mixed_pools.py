@@ -36,6 +36,7 @@ from routerd.bench import load_to_rate, paired_interval, run_bench, seed_workloa
 from routerd.model import PREDICTOR_BUCKET_EDGES, bucket_mid_tokens
 from routerd.policies import PolicyContext, ResidentRequest, RequestFeatures, StaticInstanceView, build_policy
 from routerd.policies.base import ClusterView
+from routerd.policies.kv_headroom import blocks_for
 from routerd.policies.registry import PolicyError, build_policy_from_spec
 from routerd.profiles import ProfileError, parse_pool, pool_label
 from routerd.workloads.errors import WorkloadError
@@ -73,7 +74,7 @@ def decision_cost(pool, residents: int, picks: int, seed: int = 0) -> dict[str, 
             bs = pool[i].block_size
             # A small GPU (a V100's 1,888 blocks) cannot hold 32 such residents: its view gets the
             # blocks they hold, so the decision is priced at the asked residency.
-            held = sum(-(-(r.prompt_tokens + r.generated_tokens) // bs) for r in rs)
+            held = sum(blocks_for(r.prompt_tokens + r.generated_tokens, bs) for r in rs)
             insts.append(StaticInstanceView.from_residents(i, rs, kv_total_blocks=max(pool[i].num_blocks, held),
                                                            block_size=bs))
         views.append(ClusterView(0.0, insts, 1))

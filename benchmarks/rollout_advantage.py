@@ -69,7 +69,7 @@ from routerd.sim.report import summarize  # noqa: E402
 from routerd.workloads.errors import WorkloadError  # noqa: E402
 from routerd.workloads.traces import rescale_to_rate  # noqa: E402
 
-VALIDATE_INDEX_BASE = 900_000  # as routerd.rl.train.SELECT_INDEX_BASE: never a labelled sample
+VALIDATE_INDEX_BASE = splits.VALIDATION_INDEX_BASE  # never a labelled sample
 A: argparse.Namespace  # the parsed arguments, read by the worker processes (fork)
 
 

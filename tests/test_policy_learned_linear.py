@@ -40,11 +40,11 @@ def test_features_by_hand():
     # Instance 1: one decode of 50 + 300 predicted (bin 1), 4 blocks used; outstanding 300. Mean 200.
     a, b = inst(0, res(100, pred=100)), inst(1, res(50, pred=300))
     assert (outstanding_tokens(a), outstanding_tokens(b), a.kv_used_blocks, b.kv_used_blocks) == (100, 300, 7, 4)
-    usable = 950  # floor(1,000 * 0.95)
-    x = instance_features(160, 50.0, a, 100.0, 200.0, 14, usable - 7)
+    usable = 950  # floor(1,000 * 0.95); the deficit is 14 - (usable - used)
+    x = instance_features(160, 50.0, a, 100.0, 200.0, 14 - (usable - 7))
     assert x == pytest.approx((0.5, 1 / 32, 0.0, 0.007, 1 / 32, 0.0, 0.0, 50 / 1024 * 0.007, 160 / 1024 / 32,
                                (950 - 7 - 14) / 1000), abs=1e-12)
-    y = instance_features(160, 50.0, b, 300.0, 200.0, 14, usable - 4)
+    y = instance_features(160, 50.0, b, 300.0, 200.0, 14 - (usable - 4))
     assert y == pytest.approx((1.5, 1 / 32, 0.0, 0.004, 0.0, 1 / 32, 0.0, 50 / 1024 * 0.004, 160 / 1024 / 32,
                                (950 - 4 - 14) / 1000), abs=1e-12)
     v = view(a, b)
@@ -113,7 +113,7 @@ def test_the_choice_is_the_lowest_dot_product_of_the_features(spec, prompt, out,
         free = usable - v.kv_used_blocks - sum(-(-(r.prompt_tokens + r.generated_tokens) // 16)
                                                for r in v.residents() if r.waiting)
         if v.num_waiting == 0 and v.num_running < TOY.max_num_seqs and need <= free:
-            scores[v.index] = sum(a * b for a, b in zip(w, instance_features(prompt, out, v, o, mean, need, free)))
+            scores[v.index] = sum(a * b for a, b in zip(w, instance_features(prompt, out, v, o, mean, need - free)))
     if not scores:
         assert mine is None
     else:

@@ -59,7 +59,7 @@ from routerd.policies.base import (
     RoutingPolicy,
     pick_cheapest,
 )
-from routerd.policies.kv_headroom import blocks_for, outstanding_tokens, predicted_footprint_tokens, waiting_kv_blocks
+from routerd.policies.kv_headroom import blocks_for, kv_deficit_blocks, outstanding_tokens, predicted_footprint_tokens
 
 FEATURE_VERSION = "pw-lin-v1"
 FEATURES = ("outstanding_rel", "running", "waiting", "kv_usage", "decode_short", "decode_mid", "decode_long",
@@ -161,17 +161,17 @@ def load_linear_checkpoint(spec: str | Path) -> LinearCheckpoint:
 
 
 def instance_features(prompt_tokens: int, predicted_output_tokens: float, inst: InstanceView, outstanding: float,
-                      mean_outstanding: float, need_blocks: int, free_blocks: int) -> tuple[float, ...]:
+                      mean_outstanding: float, deficit_blocks: int) -> tuple[float, ...]:
     """The :data:`FEATURES` of ``inst`` for a request (module docstring table). ``outstanding``:
     its :func:`outstanding_tokens`; ``mean_outstanding``: their mean over the view's instances
-    (>= 1); ``need_blocks``: the request's predicted footprint in blocks (capped at the usable
-    blocks); ``free_blocks``: usable - used - waiting blocks there."""
+    (>= 1); ``deficit_blocks``: :func:`kv_deficit_blocks` for the request there (its negative
+    is the headroom left after placing it)."""
     bins = inst.load_summary().decode_bins
     total = inst.kv_total_blocks if inst.kv_total_blocks > 0 else 1
     kv = inst.kv_usage
     return (outstanding / mean_outstanding, inst.num_running / 32.0, inst.num_waiting / 8.0, kv,
             bins[0] / 32.0, bins[1] / 32.0, bins[2] / 32.0, predicted_output_tokens / 1024.0 * kv,
-            prompt_tokens / 1024.0 * inst.num_running / 32.0, (free_blocks - need_blocks) / total)
+            prompt_tokens / 1024.0 * inst.num_running / 32.0, -deficit_blocks / total)
 
 
 class Params(PolicyParams):
@@ -217,7 +217,6 @@ class LearnedLinear(RoutingPolicy):
         p = self.params
         ctx = self.ctx
         profiles = ctx.profiles
-        keep = 1.0 - p.reserve_fraction
         need_tokens = predicted_footprint_tokens(request.prompt_tokens, request.predicted_output_tokens,
                                                  ctx.profile.max_model_len)
         insts = view.instances
@@ -239,17 +238,13 @@ class LearnedLinear(RoutingPolicy):
             prof = profiles[i] if 0 <= i < len(profiles) else ctx.profile
             if inst.num_waiting > p.max_waiting or inst.num_running + inst.num_waiting >= prof.max_num_seqs:
                 continue
-            usable = int(inst.kv_total_blocks * keep)
-            need = blocks_for(need_tokens, inst.block_size)
-            if need > usable:
-                need = usable
-            free = usable - inst.kv_used_blocks - waiting_kv_blocks(inst)
-            if need > free:
+            deficit = kv_deficit_blocks(inst, blocks_for(need_tokens, inst.block_size), p.reserve_fraction)
+            if deficit > 0:  # late_binding's KV test
                 continue
             bins = inst.load_summary().decode_bins
             total = inst.kv_total_blocks if inst.kv_total_blocks > 0 else 1
             score = (c_out * out + c_run * inst.num_running + c_wait * inst.num_waiting + c_kv * inst.kv_usage
-                     + c_b0 * bins[0] + c_b1 * bins[1] + c_b2 * bins[2] + w9 * (free - need) / total)
+                     + c_b0 * bins[0] + c_b1 * bins[1] + c_b2 * bins[2] - w9 * deficit / total)
             if score - score == 0.0:  # finite: a NaN or an infinity (from a non-finite prediction) is not a score
                 scored.append((score, i))
         if not scored:

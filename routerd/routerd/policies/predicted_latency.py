@@ -315,14 +315,15 @@ class PredictedLatency(RoutingPolicy):
             i = inst.index
             # routerd may see more endpoints than the context was built for: those get ctx.profile.
             prof = profiles[i] if 0 <= i < len(profiles) else ctx.profile
-            e2e, delay = forecast(prof, inst.residents(), prompt, out, edges=edges, max_events=p.max_events)
+            residents = inst.residents()  # a fresh list on routerd's views: read once
+            e2e, delay = forecast(prof, residents, prompt, out, edges=edges, max_events=p.max_events)
             cost = e2e + p.delay_weight * delay
             need = blocks_for(predicted_footprint_tokens(prompt, out, prof.max_model_len), inst.block_size)
             deficit = kv_deficit_blocks(inst, need, p.reserve_fraction)
             fits = deficit <= 0 and inst.num_running + inst.num_waiting < prof.max_num_seqs
-            if p.wait_for_kv and not fits:
+            if p.wait_for_kv and p.hold and not fits:  # without hold nothing waits
                 # Waiting for a seat is in the forecast already; waiting for KV is not.
-                waited = cost + kv_wait_s(prof, inst.residents(), deficit, inst.block_size)
+                waited = cost + kv_wait_s(prof, residents, deficit, inst.block_size)
                 if waited < wait_best:
                     wait_best = waited
             if deficit > 0:
@@ -336,6 +337,6 @@ class PredictedLatency(RoutingPolicy):
         scored = fit or (None if p.hold else unfit)
         if not scored:
             return None
-        if fit and p.hold and wait_best < min(fit)[0]:
+        if fit and wait_best < min(fit)[0]:
             return None  # an instance that will have room is cheaper than every one with room now
         return pick_cheapest(scored, ctx.near_tie, self._rng)

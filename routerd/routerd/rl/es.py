@@ -57,8 +57,7 @@ from routerd.sim.capacity import round_robin_capacity
 from routerd.sim.report import summarize
 from routerd.workloads.traces import rescale_to_rate
 
-VALIDATE_INDEX_BASE = 900_000
-"""Training-part samples used for model selection, never trained on (as routerd.rl.train)."""
+VALIDATE_INDEX_BASE = splits.VALIDATION_INDEX_BASE
 
 
 @dataclass

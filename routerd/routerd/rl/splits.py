@@ -20,6 +20,9 @@ from routerd.workloads.traces import rescale_to_rate
 
 TRAIN_SEED_BASE = 1_000_000
 TRAIN_FRACTION = 0.6
+VALIDATION_INDEX_BASE = 900_000
+"""Training-part sample indices kept for model selection (``VALIDATION_INDEX_BASE + i``): the
+trainers (``routerd.rl.train``, ``routerd.rl.es``) never train on them; never the held-out part."""
 GENERATORS = ("public-mix", "paper-mix")
 
 

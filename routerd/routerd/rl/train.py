@@ -127,7 +127,7 @@ class Args:
     extra: dict = field(default_factory=dict)
 
 
-SELECT_INDEX_BASE = 900_000
+SELECT_INDEX_BASE = splits.VALIDATION_INDEX_BASE
 """Training-part sample indices used for model selection, disjoint from training episodes
 (which use ``seed * 10_000 + episode``) and from demonstrations (``DEMO_INDEX_BASE + i``)."""
 DEMO_INDEX_BASE = 800_000
