@@ -157,7 +157,7 @@ def test_example_pool_with_a_mixed_gpu_group():
 
     spec = parse_pool_spec(pool["spec"])
     check_pool(spec)
-    assert spec.mixed_profiles
+    assert spec.mixed_profiles and spec.routing_policy() == "predicted_latency"
     jsonschema = pytest.importorskip("jsonschema")
     crd = yaml.safe_load((REPO / "crds" / "llmrouterpools.yaml").read_text())
     jsonschema.Draft4Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]).validate(pool)
@@ -166,11 +166,13 @@ def test_example_pool_with_a_mixed_gpu_group():
 def test_example_pool_prefix_is_its_spec_routing_prefix():
     # Unset: no prefix block, routerd's defaults.
     (plain,) = by_kind(render("examplePool.enabled=true"), "LLMRouterPool")
-    assert "prefix" not in plain["spec"]["routing"]
+    assert "routing" not in plain["spec"]  # no policy either: the operator's default for the pool
+    (named,) = by_kind(render("examplePool.enabled=true", "examplePool.policy=llmd"), "LLMRouterPool")
+    assert named["spec"]["routing"] == {"policy": "llmd"}
     (pool,) = by_kind(render("examplePool.enabled=true", "examplePool.prefix.mode=precise",
                              "examplePool.prefix.blockSize=16", "examplePool.prefix.kvEvents.port=5600",
                              "examplePool.prefix.kvEvents.topic=kv"), "LLMRouterPool")
-    assert pool["spec"]["routing"] == {"policy": "late_binding", "prefix": {
+    assert pool["spec"]["routing"] == {"prefix": {
         "mode": "precise", "blockSize": 16, "kvEvents": {"port": 5600, "topic": "kv"}}}
     jsonschema = pytest.importorskip("jsonschema")
     crd = yaml.safe_load((REPO / "crds" / "llmrouterpools.yaml").read_text())

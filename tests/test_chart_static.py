@@ -64,10 +64,10 @@ def test_versions_agree():
 
 
 def test_example_pool_defaults_are_valid_names():
-    from phasewise_operator.gen_crds import DEFAULT_PREDICTOR, policy_names, predictor_names, profile_names
+    from phasewise_operator.gen_crds import DEFAULT_PREDICTOR, predictor_names, profile_names
 
     assert VALUES["examplePool"]["profile"] in profile_names()
-    assert VALUES["examplePool"]["policy"] in policy_names()
+    assert VALUES["examplePool"]["policy"] == ""  # the operator's default for the pool's shape
     assert VALUES["examplePool"]["predictor"] == DEFAULT_PREDICTOR and DEFAULT_PREDICTOR in predictor_names()
 
 

@@ -272,7 +272,8 @@ def test_schema_defaults_equal_model_defaults():
     spec_schema = _root(POOL)["properties"]["spec"]
     defaulted = _apply_defaults(spec_schema, {"model": {"name": "m"}})
     assert defaulted["hardwareProfile"] == {"name": "llama2-7b-v100"}
-    assert defaulted["routing"]["policy"] == "late_binding"
+    assert "policy" not in defaulted["routing"]  # the operator picks by the pool's shape
+    assert PoolSpec.model_validate({"model": {"name": "m"}}).routing_policy() == "late_binding"
     assert defaulted["engine"]["replicas"] == 1 and defaulted["engine"]["port"] == 8000
     assert defaulted["predictor"] == {"name": "default"}  # unset: routerd's shipped model
     model_dump = PoolSpec.model_validate({"model": {"name": "m"}}).model_dump(by_alias=True)

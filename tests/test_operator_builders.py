@@ -868,6 +868,30 @@ def test_groups_with_their_own_profile_get_a_service_each_and_routerd_each_endpo
     assert slow.block_size == get_profile("llama3.1-8b-a100").block_size
 
 
+def test_an_unset_policy_is_predicted_latency_on_a_mixed_gpu_pool_and_late_binding_otherwise():
+    def policy_of(spec: dict) -> dict:
+        cm = _children(spec)[("ConfigMap", "chat-routerd")]
+        return yaml.safe_load(cm["data"]["routerd.yaml"])["policy"]
+
+    # Groups of one model on H100, A100 and a slower inline A100: priced per instance by default.
+    assert parse_pool_spec(MIXED_SPEC).routing_policy() == "predicted_latency"
+    assert policy_of(MIXED_SPEC) == {"name": "predicted_latency", "params": {}}
+    # A group naming the pool's own profile is not a mixed pool; neither are groups without one.
+    same = copy.deepcopy(MIXED_SPEC)
+    for g in same["engineGroups"][1:]:
+        g["hardwareProfile"] = {"name": "llama3.1-8b-h100"}
+    assert policy_of(same)["name"] == "late_binding"
+    assert policy_of({**GROUPS_SPEC, "routing": {}})["name"] == "late_binding"
+    # A policy the pool names is kept, and the params of an unset one are checked against the default's.
+    named = copy.deepcopy(MIXED_SPEC)
+    named["routing"] = {"policy": "late_binding", "params": {"max_waiting": 2}}
+    assert policy_of(named) == {"name": "late_binding", "params": {"max_waiting": 2}}
+    named["routing"] = {"params": {"max_waiting": 2}}
+    with pytest.raises(SpecError) as e:
+        check_pool(parse_pool_spec(named))
+    assert e.value.field == "spec.routing.params.max_waiting" and "policy predicted_latency takes" in str(e.value)
+
+
 def test_a_group_profile_of_another_model_is_refused_naming_the_group():
     bad = copy.deepcopy(MIXED_SPEC)
     bad["engineGroups"][1]["hardwareProfile"] = {"name": "llama2-7b-v100"}

@@ -170,6 +170,22 @@ def test_bench_runs_a_mixed_pool(tmp_path, capsys):
     assert rr.count(0) == rr.count(1) == 60
 
 
+def test_a_default_bench_of_a_mixed_pool_adds_predicted_latency_and_says_so(tmp_path, capsys):
+    from routerd.policies.registry import DEFAULT_BENCH_POLICIES
+
+    assert main(["bench", "-w", "public-mix", "-n", "30", "--instances", "1xllama3.1-8b-a100,1xllama3.1-8b-h100",
+                 "--no-plot", "-o", str(tmp_path / "mixed")]) == 0
+    assert "note: a mixed pool: predicted_latency added" in capsys.readouterr().err
+    names = [r.split(",")[0] for r in (tmp_path / "mixed" / "requests.csv").read_text().splitlines()[1:]]
+    assert "predicted_latency" in names and names[-1] == "oracle"
+    # One profile: the published default list, unchanged.
+    assert main(["bench", "-w", "public-mix", "-n", "30", "--instances", "2xllama3.1-8b-a100", "--no-plot",
+                 "-o", str(tmp_path / "one")]) == 0
+    assert "predicted_latency" not in capsys.readouterr().err
+    assert "predicted_latency" not in (tmp_path / "one" / "requests.csv").read_text()
+    assert "predicted_latency" not in DEFAULT_BENCH_POLICIES
+
+
 def test_bench_pool_of_one_profile_prints_what_a_count_prints(tmp_path, capsys):
     base = ["bench", "--limit", "60", "--policies", "round_robin,late_binding", "--no-plot"]
     assert main(base + ["-o", str(tmp_path / "a"), "--instances", "3", "--profile", "llama2-7b-a100"]) == 0

@@ -285,7 +285,8 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
     """
     resolve_profile(spec, pool_name=pool.name)  # raises SpecError naming the field
     params = dict(spec.routing.params)
-    if spec.routing.policy == "dqn":
+    policy = spec.routing_policy()
+    if policy == "dqn":
         params["checkpoint"] = CHECKPOINT_DIR
     if spec.predictor is None:
         predictor = DEFAULT_PREDICTOR
@@ -314,7 +315,7 @@ def routerd_settings(pool: PoolRef, spec: PoolSpec, *, checkpoint: Checkpoint | 
         # each endpoint's own /v1/models, so every group stays behind the one engine Service.
         "models": spec.served_models(),
         "kubernetes": kubernetes,
-        "policy": {"name": spec.routing.policy, "params": params},
+        "policy": {"name": policy, "params": params},
         "profile": spec.hardware_profile.name if spec.hardware_profile.name is not None else PROFILE_FILE,
         "predictor": predictor,
         "router": {"queue_limit": spec.routing.queue_limit,

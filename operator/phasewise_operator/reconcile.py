@@ -262,7 +262,7 @@ class Controller:
             if problem is None:
                 cm = next(c for c in children if c["kind"] == "ConfigMap")
                 extra = {
-                    "activePolicy": spec.routing.policy,
+                    "activePolicy": spec.routing_policy(),
                     "activeProfile": profile_label(spec),
                     "activeCheckpoint": ckpt.config_map if ckpt else "",
                     "configHash": builders.short_hash(cm.get("data", {}) | cm.get("binaryData", {})),

@@ -22,7 +22,7 @@ from pydantic.alias_generators import to_camel
 from phasewise_operator.gen_crds import (DEFAULT_ENVOY_PORT, DEFAULT_FAILURE_MODE, DEFAULT_KV_EVENTS_PORT,
                                          DEFAULT_KV_EVENTS_TOPIC, DEFAULT_PICKER_MODE, DEFAULT_POLICY,
                                          DEFAULT_PREDICTOR, DEFAULT_PROFILE, ENVOY_FORBIDDEN_PORTS,
-                                         ENVOY_PORT_RULE_MESSAGE, FAILURE_MODES,
+                                         ENVOY_PORT_RULE_MESSAGE, FAILURE_MODES, MIXED_POOL_POLICY,
                                          GATEWAY_APP_PROTOCOLS, GROUP_NAME_MAX, GROUP_NAME_PATTERN,
                                          GROUP_NAME_RESERVED, PICKER_MODES, PREFIX_MODES, RESERVED_GROUP_WORDS)
 
@@ -255,7 +255,8 @@ class PrefixSpec(_Spec):
 
 
 class RoutingSpec(_Spec):
-    policy: str = DEFAULT_POLICY
+    policy: str | None = None
+    """The policy by registry name; None: the pool's measured default (:meth:`PoolSpec.routing_policy`)."""
     params: dict[str, Any] = Field(default_factory=dict)
     action_interval_seconds: float = Field(default=0.02, ge=0.0001)
     queue_limit: int = Field(default=1024, ge=1)
@@ -525,6 +526,36 @@ class PoolSpec(_Spec):
         Service, and routerd each endpoint's profile from it)."""
         return any(g.hardware_profile is not None for g in self.engine_groups or ())
 
+    def mixed_hardware(self) -> bool:
+        """Whether some served model runs on engine groups whose hardware profiles differ in their
+        terms (a group may name its own profile and still have the pool's: not mixed).
+
+        Raises:
+            SpecError: a group's profile cannot be resolved (:func:`resolve_profile`).
+        """
+        if not self.mixed_profiles:
+            return False
+        terms_by_model: dict[str, set[str]] = {}
+        for g in self.groups():
+            p = resolve_profile(self, pool_name="check", group=g)
+            terms = p.model_dump(exclude={"name", "description", "sources"})
+            terms_by_model.setdefault(g.model.served, set()).add(repr(sorted(terms.items())))
+        return any(len(t) > 1 for t in terms_by_model.values())
+
+    def routing_policy(self) -> str:
+        """The policy routerd runs: ``routing.policy``, or when unset the measured default for the
+        pool's shape, :data:`~phasewise_operator.gen_crds.MIXED_POOL_POLICY` (``predicted_latency``,
+        which prices each instance with its own profile) on a mixed-GPU pool
+        (:meth:`mixed_hardware`), :data:`~phasewise_operator.gen_crds.DEFAULT_POLICY`
+        (``late_binding``) otherwise (docs/rl.md, issue 18).
+
+        Raises:
+            SpecError: a group's profile cannot be resolved.
+        """
+        if self.routing.policy is not None:
+            return self.routing.policy
+        return MIXED_POOL_POLICY if self.mixed_hardware() else DEFAULT_POLICY
+
     def served_models(self) -> list[str]:
         """The names clients may send as ``model``: each group's served name, in spec order, once each."""
         return list(dict.fromkeys(g.model.served for g in self.groups()))
@@ -699,11 +730,12 @@ def check_pool(spec: PoolSpec) -> None:
 
     routing = spec.routing
     live = policy_names()
-    if routing.policy not in live:
-        why = "an oracle policy runs only in the simulator" if routing.policy in POLICIES else "unknown policy"
-        raise SpecError("spec.routing.policy", f"{why} {routing.policy!r}; valid: {', '.join(live)}")
+    policy = spec.routing_policy()
+    if policy not in live:
+        why = "an oracle policy runs only in the simulator" if policy in POLICIES else "unknown policy"
+        raise SpecError("spec.routing.policy", f"{why} {policy!r}; valid: {', '.join(live)}")
     if "checkpoint" in routing.params:
-        if routing.policy != "learned_linear":
+        if policy != "learned_linear":
             raise SpecError("spec.routing.params.checkpoint", "give the DQN checkpoint as routing.checkpoint.configMap")
         from routerd.policies.learned_linear import SHIPPED
 
@@ -713,11 +745,11 @@ def check_pool(spec: PoolSpec) -> None:
                             f"learned_linear takes a shipped checkpoint here: {', '.join(SHIPPED)}; "
                             f"got {routing.params['checkpoint']!r}")
 
-    if routing.policy == "dqn" and routing.checkpoint is None:
+    if policy == "dqn" and routing.checkpoint is None:
         raise SpecError("spec.routing.checkpoint", "policy dqn needs a checkpoint ConfigMap")
-    params_model = POLICIES[routing.policy].Params
+    params_model = POLICIES[policy].Params
     params = dict(routing.params)
-    if routing.policy == "dqn":
+    if policy == "dqn":
         params["checkpoint"] = "/"  # the operator's own mount; only the other fields are checked here
     try:
         params_model.model_validate(params)
@@ -726,7 +758,7 @@ def check_pool(spec: PoolSpec) -> None:
         field = ".".join(str(x) for x in err["loc"]) or "params"
         known = ", ".join(f for f in params_model.model_fields if f != "checkpoint") or "none"
         raise SpecError(f"spec.routing.params.{field}",
-                        f"{err['msg']} (policy {routing.policy} takes: {known})") from None
+                        f"{err['msg']} (policy {policy} takes: {known})") from None
     profile = resolve_profile(spec, pool_name="check")
     pre = spec.routing.prefix
     if pre is not None and pre.block_size is not None and pre.block_size != profile.block_size:

@@ -313,6 +313,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         # ``dqn`` only where the shipped checkpoint fits; the notes are printed once the input is valid.
         specs, notes = default_bench_policies(m, label)
+        if mixed:
+            # The one policy that prices each instance with its own profile: the operator's default
+            # for such a pool (docs/rl.md), so the default table shows it beside the blind ones.
+            specs.insert(specs.index("oracle") if "oracle" in specs else len(specs), "predicted_latency")
+            notes.append("a mixed pool: predicted_latency added to the default policies (it reads each "
+                         "instance's own profile; the others read the first)")
     if not specs:
         raise UsageError("--policies is empty")
     if not args.prediction.startswith("predictor:"):

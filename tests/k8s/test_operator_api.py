@@ -245,7 +245,8 @@ def test_defaults_are_filled_in_by_the_api_server(k8s, crds, kube, namespace):
     apply(k8s, namespace, pool_yaml("d"))
     spec = pool(kube, namespace, "d")["spec"]
     assert spec["hardwareProfile"] == {"name": "llama2-7b-v100"}
-    assert spec["routing"]["policy"] == "late_binding" and spec["engine"]["replicas"] == 1
+    # No policy default: the operator picks one by the pool's shape (status.activePolicy).
+    assert "policy" not in spec["routing"] and spec["engine"]["replicas"] == 1
     assert spec["routerd"]["service"] == {"type": "ClusterIP", "port": 80}
     assert spec["predictor"] == {"name": "default"}  # routerd's shipped length model
     apply(k8s, namespace, pool_yaml("off", predictor={"name": "none"}))
@@ -513,6 +514,10 @@ def test_groups_with_their_own_profile_reach_routerd_through_their_services_slic
     settings = Settings.model_validate(yaml.safe_load(cm["data"]["routerd.yaml"]))
     k = settings.kubernetes
     assert k.profiles == {"b": "/etc/phasewise/profile-b.yaml"}
+    # No routing.policy: a mixed-GPU pool gets predicted_latency (and the API server filled in none).
+    assert settings.policy.name == "predicted_latency"
+    mx = pool(kube, namespace, "mx")
+    assert "policy" not in mx["spec"].get("routing", {}) and mx["status"]["activePolicy"] == "predicted_latency"
     wait_for(lambda: len(kube.list("v1", "Pod", namespace, label_selector="phasewise.io/pool=mx")) >= 4,
              timeout=60, what="2 + 1 engine pods and a routerd pod")
     pods = make_pods_ready(kube, namespace, "phasewise.io/pool=mx,app.kubernetes.io/component=engine")
@@ -540,6 +545,9 @@ def test_groups_with_their_own_profile_reach_routerd_through_their_services_slic
         kube.get("v1", "ConfigMap", namespace, "mx-routerd")), what="group b's profile file gone")
     k = yaml.safe_load(cm["data"]["routerd.yaml"])["kubernetes"]
     assert k["profiles"] == {} and k["selector"] == settings.kubernetes.selector
+    assert yaml.safe_load(cm["data"]["routerd.yaml"])["policy"]["name"] == "late_binding"  # one profile again
+    wait_for(lambda: pool(kube, namespace, "mx")["status"].get("activePolicy") == "late_binding",
+             what="status.activePolicy late_binding once the pool has one profile")
     assert {g: kube.get("v1", "Service", namespace, f"mx-engine-{g}")["metadata"]["uid"] for g in "ab"} == uids
     # A group removed: its Service goes with its Deployment.
     apply(k8s, namespace, groups_pool_yaml("mx", groups[:1], engine={"replicas": 1},
