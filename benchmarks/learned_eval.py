@@ -116,8 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         if min(ms) < 1 or not all(x > 0 for x in loads):
             raise ValueError(f"--instances and --loads must be > 0, got {a.instances!r} and {a.loads!r}")
         prof = get_profile(a.profile)
+        n_of = {}
         for wl in a.workloads.split(","):
-            splits.sample(wl, "eval", a.seeds - 1, a.requests, 20.0, a.data_dir)
+            # Disjoint held-out windows: a trace's part holds only so many of --requests.
+            n_of[wl] = splits.eval_requests(wl, a.requests, a.seeds, a.data_dir)
+            if n_of[wl] < a.requests:
+                print(f"note: {wl}: {a.seeds} disjoint held-out samples of {n_of[wl]} requests "
+                      f"(the held-out part holds fewer than {a.seeds} x {a.requests})")
+            splits.sample(wl, "eval", a.seeds - 1, n_of[wl], 20.0, a.data_dir)
             for s in specs_for(wl, specs):
                 build_policy_from_spec(s, PolicyContext(prof, ms[0]))
     except (ValueError, ProfileError, PolicyError, WorkloadError) as e:
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     for wl in a.workloads.split(","):
         wspecs = specs_for(wl, specs)
         for m in ms:
-            samples = [splits.sample(wl, "eval", i, a.requests, 20.0, a.data_dir) for i in range(a.seeds)]
+            samples = [splits.sample(wl, "eval", i, n_of[wl], 20.0, a.data_dir) for i in range(a.seeds)]
             for load in loads:
                 runs = {s: [] for s in wspecs}
                 caps = []

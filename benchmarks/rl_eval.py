@@ -214,13 +214,20 @@ def validate(a: argparse.Namespace) -> None:
         raise UsageError(f"--out {a.out}: folder {Path(a.out).resolve().parent} does not exist")
     if Path(a.out).is_dir():
         raise UsageError(f"--out {a.out}: is a folder; give a file name (e.g. {Path(a.out) / 'rl-eval.json'})")
+    a.eval_requests = {}  # per trace: requests per held-out sample, lowered to fit --seeds disjoint windows
     for workload in a.settings:
         # A trace's data and held-out length are checked now, not after the settings before it ran.
         if workload not in GENERATORS:
             try:
-                splits.sample(workload, "eval", 0, a.requests, None, a.data_dir)
-            except ValueError as e:  # WorkloadError (missing data), or a held-out part shorter than n
+                # Disjoint held-out windows: a trace's part holds only so many of --requests.
+                n = splits.eval_requests(workload, a.requests, a.seeds, a.data_dir)
+                splits.sample(workload, "eval", a.seeds - 1, n, None, a.data_dir)
+            except ValueError as e:  # WorkloadError (missing data), or a held-out part too short
                 raise UsageError(f"--settings {workload}: {e}") from None
+            if n < a.requests:
+                print(f"note: {workload}: {a.seeds} disjoint held-out samples of {n} requests "
+                      f"(the held-out part holds fewer than {a.seeds} x {a.requests})")
+            a.eval_requests[workload] = n
     for spec in a.policies:
         for m in a.instances:  # e.g. dqn's checkpoint fits one instance count only
             try:
@@ -303,7 +310,7 @@ def evaluate(a: argparse.Namespace, log=print) -> dict:
         if key not in samples:
             rate = PAPER_RATE_PER_INSTANCE * m if workload in GENERATORS else None
             try:
-                samples[key] = splits.sample(workload, "eval", i, a.requests, rate, a.data_dir)
+                samples[key] = splits.sample(workload, "eval", i, getattr(a, "eval_requests", {}).get(workload, a.requests), rate, a.data_dir)
             except ValueError as e:  # WorkloadError (missing data), or a held-out part shorter than n
                 raise UsageError(str(e)) from None
         return samples[key]
@@ -391,7 +398,8 @@ def evaluate(a: argparse.Namespace, log=print) -> dict:
             entry["hold_rate_mean"] = statistics.fmean(d["hold_rate"])
             table[label] = entry
         res = {"setting": f"{workload}/{m}", "workload": workload, "profile": profile.name, "instances": m,
-               "requests": a.requests, "seeds": a.seeds, "sample_indices": list(seeds), "part": "eval",
+               "requests": getattr(a, "eval_requests", {}).get(workload, a.requests), "seeds": a.seeds,
+               "sample_indices": list(seeds), "part": "eval",
                "capacity_rps": caps_used, "offered_rate_rps": rates, "load": load, "load_reference": ref,
                "notes": notes, "policies": table}
         results.append(res)

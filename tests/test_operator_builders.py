@@ -889,7 +889,34 @@ def test_an_unset_policy_is_predicted_latency_on_a_mixed_gpu_pool_and_late_bindi
     named["routing"] = {"params": {"max_waiting": 2}}
     with pytest.raises(SpecError) as e:
         check_pool(parse_pool_spec(named))
-    assert e.value.field == "spec.routing.params.max_waiting" and "policy predicted_latency takes" in str(e.value)
+    assert e.value.field == "spec.routing.params.max_waiting"
+    assert "policy predicted_latency, the default for a mixed-GPU pool, takes" in str(e.value)
+    # ...unless a group's profile is what is wrong: that decides the default, so it is the error.
+    named["engineGroups"][1]["hardwareProfile"] = {"name": "llama2-7b-v100"}
+    with pytest.raises(SpecError) as e:
+        check_pool(parse_pool_spec(named))
+    assert e.value.field == "spec.engineGroups[1].hardwareProfile"
+
+
+def test_mixed_means_terms_that_differ_counting_the_pools_own_profile():
+    from routerd.profiles import get_profile
+
+    h100 = get_profile("llama3.1-8b-h100")
+    copy_of_h100 = {"inline": {"basedOn": "llama3.1-8b-h100", "grad1": h100.grad1, "grad2": h100.grad2,
+                               "overheadS": h100.overhead_s, "kvCapacityTokens": h100.kv_capacity_tokens,
+                               "description": "the H100 terms, written out"}}
+    spec = copy.deepcopy(MIXED_SPEC)
+    spec["engineGroups"] = spec["engineGroups"][:2]
+    spec["engineGroups"][1]["hardwareProfile"] = copy_of_h100
+    assert parse_pool_spec(spec).routing_policy() == "late_binding"  # same terms, another name
+    spec["engineGroups"][1]["hardwareProfile"]["inline"]["kvCapacityTokens"] = h100.kv_capacity_tokens // 32 * 16
+    assert parse_pool_spec(spec).routing_policy() == "predicted_latency"
+    # Every group on A100 in an H100 pool: the blind policies would read the H100's limits for all.
+    for g in spec["engineGroups"]:
+        g["hardwareProfile"] = {"name": "llama3.1-8b-a100"}
+    assert parse_pool_spec(spec).routing_policy() == "predicted_latency"
+    spec["hardwareProfile"] = {"name": "llama3.1-8b-a100"}
+    assert parse_pool_spec(spec).routing_policy() == "late_binding"
 
 
 def test_a_group_profile_of_another_model_is_refused_naming_the_group():

@@ -185,13 +185,26 @@ def test_trace_setting_without_data_is_refused_before_any_setting_runs(tmp_path,
 
 
 @pytest.mark.usefixtures("data_dir")  # reads the shared traces: skipped without them
-def test_held_out_part_shorter_than_requests_is_a_usage_error_in_validate(tmp_path):
+def test_a_trace_too_short_for_the_samples_gets_smaller_disjoint_windows_or_a_usage_error(tmp_path, capsys):
     from routerd.rl import splits
 
-    held_out = len(splits._trace("azure-code", None)) - int(len(splits._trace("azure-code", None))
-                                                            * splits.TRAIN_FRACTION)
+    reqs = splits._trace("azure-code", None)
+    cut = int(len(reqs) * splits.TRAIN_FRACTION)
+    held_out = len(reqs) - cut
     a = rl_eval.parse_args(["--settings", "paper-mix,azure-code", "--instances", "2", "--seeds", "2",
                             "--requests", str(held_out + 1), "--out", str(tmp_path / "x.json")])
+    rl_eval.validate(a)
+    n = held_out // 2
+    assert a.eval_requests == {"azure-code": n}
+    assert f"2 disjoint held-out samples of {n} requests" in capsys.readouterr().out
+    # The two windows are consecutive stretches of the held-out part, sharing no request.
+    w0, w1 = (splits.sample("azure-code", "eval", i, n, None) for i in (0, 1))
+    assert [r.prompt_tokens for r in w0] == [r.prompt_tokens for r in reqs[cut:cut + n]]
+    assert [r.prompt_tokens for r in w1] == [r.prompt_tokens for r in reqs[cut + n:cut + 2 * n]]
+    with pytest.raises(ValueError, match="would repeat"):
+        splits.sample("azure-code", "eval", 2, n, None)
+    a = rl_eval.parse_args(["--settings", "azure-code", "--instances", "2", "--seeds", str(held_out),
+                            "--out", str(tmp_path / "x.json")])
     with pytest.raises(rl_eval.UsageError, match="azure-code"):
         rl_eval.validate(a)
 

@@ -527,19 +527,26 @@ class PoolSpec(_Spec):
         return any(g.hardware_profile is not None for g in self.engine_groups or ())
 
     def mixed_hardware(self) -> bool:
-        """Whether some served model runs on engine groups whose hardware profiles differ in their
-        terms (a group may name its own profile and still have the pool's: not mixed).
+        """Whether some served model runs on hardware profiles that differ in their terms, counting
+        the pool's own ``hardwareProfile`` (what the profile-blind policies read for every
+        instance) beside its groups' (a group may name the pool's profile, or copy its terms
+        inline, and still not be mixed).
 
         Raises:
             SpecError: a group's profile cannot be resolved (:func:`resolve_profile`).
         """
         if not self.mixed_profiles:
             return False
+
+        def terms(p) -> str:
+            # The model line an inline profile gains in a mixed pool is no term (resolve_profile).
+            return repr(sorted(p.model_dump(exclude={"name", "description", "sources", "model"}).items()))
+
+        pool = terms(resolve_profile(self, pool_name="check"))
         terms_by_model: dict[str, set[str]] = {}
         for g in self.groups():
-            p = resolve_profile(self, pool_name="check", group=g)
-            terms = p.model_dump(exclude={"name", "description", "sources"})
-            terms_by_model.setdefault(g.model.served, set()).add(repr(sorted(terms.items())))
+            own = terms(resolve_profile(self, pool_name="check", group=g))
+            terms_by_model.setdefault(g.model.served, {pool}).add(own)
         return any(len(t) > 1 for t in terms_by_model.values())
 
     def routing_policy(self) -> str:
@@ -716,6 +723,28 @@ def _parse(model: type[_Spec], spec: dict[str, Any] | None) -> Any:
 
 # ---------------------------------------------------------------- checks that need routerd
 
+def _check_group_profiles(spec: PoolSpec) -> None:
+    """Every group's own profile resolves and is of the pool profile's model and block size.
+
+    Raises:
+        SpecError: naming the group's ``hardwareProfile`` (or the pool's, when that one is bad).
+    """
+    if not spec.mixed_profiles:
+        return
+    from routerd.profiles import PoolError, check_pool as check_profiles
+
+    profile = resolve_profile(spec, pool_name="check")
+    for g in spec.groups():
+        if g.hardware_profile is None:
+            continue
+        own = resolve_profile(spec, pool_name="check", group=g)
+        try:
+            check_profiles([profile, own])  # one model, one block size: routerd refuses others
+        except PoolError as e:
+            raise SpecError(g.field("hardwareProfile"), f"{e} (the pool's spec.hardwareProfile is "
+                            f"{profile.name!r}; every group serves its model with its block size)") from None
+
+
 def check_pool(spec: PoolSpec) -> None:
     """What the schema cannot check: routerd's own models accept the policy, its params and the profile.
 
@@ -730,7 +759,11 @@ def check_pool(spec: PoolSpec) -> None:
 
     routing = spec.routing
     live = policy_names()
+    if routing.policy is None:
+        _check_group_profiles(spec)  # they decide the default: a bad one is the error to report
     policy = spec.routing_policy()
+    chosen = "" if routing.policy is not None else (
+        ", the default for a mixed-GPU pool," if policy == MIXED_POOL_POLICY else ", the default,")
     if policy not in live:
         why = "an oracle policy runs only in the simulator" if policy in POLICIES else "unknown policy"
         raise SpecError("spec.routing.policy", f"{why} {policy!r}; valid: {', '.join(live)}")
@@ -758,7 +791,7 @@ def check_pool(spec: PoolSpec) -> None:
         field = ".".join(str(x) for x in err["loc"]) or "params"
         known = ", ".join(f for f in params_model.model_fields if f != "checkpoint") or "none"
         raise SpecError(f"spec.routing.params.{field}",
-                        f"{err['msg']} (policy {policy} takes: {known})") from None
+                        f"{err['msg']} (policy {policy}{chosen} takes: {known})") from None
     profile = resolve_profile(spec, pool_name="check")
     pre = spec.routing.prefix
     if pre is not None and pre.block_size is not None and pre.block_size != profile.block_size:
@@ -775,18 +808,7 @@ def check_pool(spec: PoolSpec) -> None:
         raise SpecError("spec.engine.resources", "an emulated pool must not request nvidia.com/gpu")
     if spec.emulated and spec.engine.args:
         raise SpecError("spec.engine.args", "engine.args are vLLM arguments; an emulated pool must not set them")
-    if spec.mixed_profiles:
-        from routerd.profiles import PoolError, check_pool as check_profiles
-
-        for g in spec.groups():
-            if g.hardware_profile is None:
-                continue
-            own = resolve_profile(spec, pool_name="check", group=g)
-            try:
-                check_profiles([profile, own])  # one model, one block size: routerd refuses others
-            except PoolError as e:
-                raise SpecError(g.field("hardwareProfile"), f"{e} (the pool's spec.hardwareProfile is "
-                                f"{profile.name!r}; every group serves its model with its block size)") from None
+    _check_group_profiles(spec)
     for i, g in enumerate(spec.engine_groups or []):
         where = f"spec.engineGroups[{i}]"
         if spec.emulated and g.resources is not None and g.resources.requests_gpu():

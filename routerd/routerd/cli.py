@@ -41,7 +41,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                         "items separated by ',' (e.g. 2xllama3.1-8b-a100,2xllama3.1-8b-h100; then no --profile)")
     p.add_argument("--policies", default=None,
                    help="policy specs separated by ';' or ',' (name or name:key=value|key=value); default: "
-                        + ",".join(DEFAULT_BENCH_POLICIES))
+                        + ",".join(DEFAULT_BENCH_POLICIES) + " (a mixed --instances pool adds predicted_latency)")
     p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s); traces are rescaled")
     p.add_argument("--limit", type=int, default=None, help="first N requests of a trace")
     p.add_argument("-n", type=int, default=None, help="requests of a generated workload (public-mix, paper-mix, shared-prefix[:SPEC])")

@@ -40,12 +40,34 @@ def window(reqs: Sequence[Request], start: int, n: int, rate: float | None = Non
     return rescale_to_rate(out, rate) if rate else out
 
 
+def eval_requests(name: str, n: int, samples: int, data_dir: str | None = None) -> int:
+    """The largest window size ``<= n`` (requests) at which the held-out part of ``name`` holds
+    ``samples`` disjoint windows (:func:`sample`'s ``"eval"`` indices ``0 .. samples - 1``); ``n``
+    for generators, which draw a new sample per index.
+
+    Raises:
+        routerd.workloads.WorkloadError: unknown workload or missing data.
+        ValueError: the held-out part holds fewer than 2 requests per sample.
+    """
+    if name in GENERATORS:
+        return n
+    reqs = _trace(name, data_dir)
+    held = len(reqs) - int(len(reqs) * TRAIN_FRACTION)
+    fit = min(n, held // samples)
+    if fit < 2:
+        raise ValueError(f"workload {name}: the eval part ({held} requests) cannot hold {samples} disjoint samples")
+    return fit
+
+
 def sample(name: str, part: str, index: int, n: int, rate: float | None, data_dir: str | None = None) -> list[Request]:
     """Workload sample number ``index`` of ``part`` (``"train"`` or ``"eval"``).
 
     Raises:
         routerd.workloads.WorkloadError: unknown workload or missing data.
-        ValueError: ``part`` is not train/eval, or the trace part is shorter than ``n``.
+        ValueError: ``part`` is not train/eval, the trace part is shorter than ``n``, or (eval)
+            ``index`` is past the part's disjoint windows of ``n`` requests: a later index would
+            repeat an earlier window, and repeated samples make a paired interval look tighter
+            than the data allow.
     """
     if part not in ("train", "eval"):
         raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
@@ -60,8 +82,12 @@ def sample(name: str, part: str, index: int, n: int, rate: float | None, data_di
     if part == "train":
         start = random.Random(index).randrange(lo, hi - n + 1)
     else:
-        # Evaluation windows tile the held-out part, so different indices differ.
+        # Evaluation windows tile the held-out part, disjoint, so different indices differ.
         span = hi - lo - n
         k = max(1, span // n + 1)
-        start = lo + (index % k) * min(n, span // max(1, k - 1) if k > 1 else 0)
+        if not 0 <= index < k:
+            raise ValueError(f"workload {name}: the {part} part ({hi - lo} requests) holds {k} disjoint "
+                             f"window{'s' if k > 1 else ''} of n={n} requests, so sample {index} would repeat "
+                             f"one; use fewer samples or n <= {(hi - lo) // (index + 1)}")
+        start = lo + index * min(n, span // max(1, k - 1) if k > 1 else 0)
     return window(reqs, start, n, rate)
