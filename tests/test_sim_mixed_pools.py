@@ -184,6 +184,16 @@ def test_a_default_bench_of_a_mixed_pool_adds_predicted_latency_and_says_so(tmp_
     assert "predicted_latency" not in capsys.readouterr().err
     assert "predicted_latency" not in (tmp_path / "one" / "requests.csv").read_text()
     assert "predicted_latency" not in DEFAULT_BENCH_POLICIES
+    # A copy of a profile under another name is one profile's terms: not mixed for the defaults.
+    import yaml
+    from routerd.profiles import get_profile
+
+    copy = tmp_path / "my-a100.yaml"
+    copy.write_text(yaml.safe_dump({**get_profile("llama3.1-8b-a100").model_dump(), "name": "my-a100",
+                                    "model": "llama3.1-8b"}))
+    assert main(["bench", "-w", "public-mix", "-n", "30", "--instances", f"1xllama3.1-8b-a100,1x{copy}",
+                 "--no-plot", "-o", str(tmp_path / "copy")]) == 0
+    assert "predicted_latency" not in capsys.readouterr().err
 
 
 def test_bench_pool_of_one_profile_prints_what_a_count_prints(tmp_path, capsys):

@@ -313,7 +313,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         # ``dqn`` only where the shipped checkpoint fits; the notes are printed once the input is valid.
         specs, notes = default_bench_policies(m, label)
-        if mixed:
+        # Mixed for the policies: profile terms that differ (a copy of a profile under another
+        # name is not), as the operator decides its default (phasewise_operator.spec.mixed_hardware).
+        terms = {repr(sorted(p.model_dump(exclude={"name", "description", "sources", "model"}).items()))
+                 for p in pool}
+        if mixed and len(terms) > 1:
             # The one policy that prices each instance with its own profile: the operator's default
             # for such a pool (docs/rl.md), so the default table shows it beside the blind ones.
             specs.insert(specs.index("oracle") if "oracle" in specs else len(specs), "predicted_latency")
