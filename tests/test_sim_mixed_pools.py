@@ -78,6 +78,8 @@ def test_a_profile_named_otherwise_joins_a_pool_by_its_model_field(tmp_path):
     ("2llama2-7b-a100", ["2llama2-7b-a100", "COUNT x PROFILE"]),
     ("0xllama2-7b-a100", ["COUNT must be >= 1"]),
     (" , ", ["empty"]),
+    ("2xllama3.1-8b-a100,", ["item 2 of 2 is empty"]),  # a stray ',' is a typo, not a smaller pool
+    ("2xllama3.1-8b-a100,,2xllama3.1-8b-h100", ["item 2 of 3 is empty"]),
 ])
 def test_bad_pools_are_one_clear_error(text, words):
     with pytest.raises(ProfileError) as e:

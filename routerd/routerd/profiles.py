@@ -315,15 +315,21 @@ def parse_pool(text: str) -> tuple[HardwareProfile, ...]:
 
     Raises:
         PoolError: an item that is not ``COUNT x PROFILE`` with ``COUNT >= 1`` (named), an
-            empty list, or profiles that cannot share a pool (:func:`check_pool`).
+            empty item (a stray ``,``), an empty list, or profiles that cannot share a pool
+            (:func:`check_pool`).
         ProfileError: an unknown profile name (the message lists the valid ones) or an
             invalid profile file.
     """
     out: list[HardwareProfile] = []
-    for raw in text.split(","):
+    items = text.split(",")
+    for k, raw in enumerate(items):
         item = raw.strip()
         if not item:
-            continue
+            if not text.strip():
+                break  # the whole list is empty: said below
+            # A stray ',' is a typo for an item, not a smaller pool (e.g. "2xA,,2xB" or "2xA,").
+            raise PoolError(f"pool {text!r}: item {k + 1} of {len(items)} is empty; expected COUNT x PROFILE "
+                            "items separated by ','")
         count, sep, name = item.partition("x")
         count, name = count.strip(), name.strip()
         if not sep or not count.isdigit() or not name:
