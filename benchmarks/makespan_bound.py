@@ -98,9 +98,15 @@ def check_sample_arguments(ap: argparse.ArgumentParser, a: argparse.Namespace) -
         ap.error("--instances, --seeds and --requests must be >= 1 and --rate > 0")
     try:
         prof = get_profile(a.profile)
-        splits.sample(a.workload, "eval", 0, a.requests, a.rate)
+        # Disjoint held-out windows: a trace's part holds only so many of --requests.
+        n = splits.eval_requests(a.workload, a.requests, a.seeds)
+        splits.sample(a.workload, "eval", a.seeds - 1, n, a.rate)
     except (ProfileError, WorkloadError, ValueError) as e:
         ap.exit(2, f"{ap.prog}: error: {e}\n")
+    if n < a.requests:
+        print(f"note: {a.workload}: {a.seeds} disjoint held-out samples of {n} requests "
+              f"(the held-out part holds fewer than {a.seeds} x {a.requests})")
+        a.requests = n
     return prof
 
 
