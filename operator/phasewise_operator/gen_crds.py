@@ -660,6 +660,8 @@ def pool_status_schema() -> dict[str, Any]:
                          })},
         "routerURL": _s("In-cluster URL of the routerd Service (OpenAI API)."),
         "activePolicy": _s("Routing policy routerd was configured with."),
+        "servedModels": _s("The model names clients may send, ',' separated (each group's served name, in "
+                           "spec order: what kubectl get's MODEL column shows, engine groups or not)."),
         "activeProfile": _s("Hardware profile routerd was configured with: a shipped name, or "
                             "inline(<basedOn>)."),
         "activeCheckpoint": _s("ConfigMap of the DQN checkpoint routerd was configured with (empty: none)."),
@@ -712,7 +714,7 @@ def pool_crd() -> dict[str, Any]:
                                  "statusReplicasPath": ".status.replicas",
                                  "labelSelectorPath": ".status.selector"}},
         [
-            {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+            {"name": "Model", "type": "string", "jsonPath": ".status.servedModels"},
             {"name": "Policy", "type": "string", "jsonPath": ".status.activePolicy"},
             {"name": "Profile", "type": "string", "jsonPath": ".status.activeProfile"},
             {"name": "Replicas", "type": "integer", "jsonPath": ".spec.engine.replicas"},

@@ -263,6 +263,7 @@ class Controller:
                 cm = next(c for c in children if c["kind"] == "ConfigMap")
                 extra = {
                     "activePolicy": spec.routing_policy(),
+                    "servedModels": ",".join(spec.served_models()),
                     "activeProfile": profile_label(spec),
                     "activeCheckpoint": ckpt.config_map if ckpt else "",
                     "configHash": builders.short_hash(cm.get("data", {}) | cm.get("binaryData", {})),

@@ -278,6 +278,7 @@ def test_pool_gets_children_and_status(k8s, kube, operator, namespace):
     st = p["status"]
     assert condition(p, "Degraded")["status"] == "False"
     assert st["activePolicy"] == "late_binding" and st["activeProfile"] == "llama2-7b-v100"
+    assert st["servedModels"] == "llama-2-7b"
     assert st["selector"] == "phasewise.io/pool=chat,app.kubernetes.io/component=engine"
     assert st["routerURL"] == f"http://chat-routerd.{namespace}.svc"
     # The 2 s target is measured by benchmarks/operator_reconcile.py; the bound here is the wait's.
@@ -474,6 +475,14 @@ def test_engine_groups_get_a_deployment_each_and_a_removed_one_goes(k8s, kube, o
                   what="status.engineGroups listing groups a and b")
     assert [(st[g]["model"], st[g]["deployment"], st[g]["desiredReplicas"]) for g in ("a", "b")] == \
         [("model-a", "mm-engine-a", 2), ("org/model-b", "mm-engine-b", 1)]
+    # kubectl get's MODEL column: the served names, engine groups or not (spec.model is unset here).
+    assert pool(kube, namespace, "mm")["status"]["servedModels"] == "model-a,org/model-b"
+    out = k8s.kubectl("get", "llmrouterpools", "mm", "-n", namespace, "--no-headers",
+                      "-o", "custom-columns=M:.status.servedModels,P:.status.activePolicy").stdout.split()
+    assert out == ["model-a,org/model-b", "late_binding"]
+    table = k8s.kubectl("get", "llmrouterpools", "mm", "-n", namespace).stdout.splitlines()
+    header = table[0].split()
+    assert header[:3] == ["NAME", "MODEL", "POLICY"] and table[1].split()[1:3] == ["model-a,org/model-b", "late_binding"]
     if k8s.controller_manager:  # pods exist only with the Deployment controller
         wait_for(lambda: len(kube.list("v1", "Pod", namespace, label_selector="phasewise.io/pool=mm")) >= 4,
                  timeout=60, what="2 + 1 engine pods and a routerd pod from the Deployment controller")
@@ -490,6 +499,8 @@ def test_engine_groups_get_a_deployment_each_and_a_removed_one_goes(k8s, kube, o
     assert kube.get("apps/v1", "Deployment", namespace, "mm-engine-a")["metadata"]["uid"] == uid_a  # kept
     cm = kube.get("v1", "ConfigMap", namespace, "mm-routerd")
     assert yaml.safe_load(cm["data"]["routerd.yaml"])["models"] == ["model-a"]
+    wait_for(lambda: pool(kube, namespace, "mm")["status"].get("servedModels") == "model-a",
+             what="status.servedModels without group b")
 
 
 def test_groups_with_their_own_profile_reach_routerd_through_their_services_slices(
