@@ -132,6 +132,15 @@ def test_policies_command_lists_parameters(capsys):
     out = capsys.readouterr().out
     assert "late_binding [default]" in out and "reserve_fraction = 0.05" in out
     assert "decode_balancer [oracle]" in out
+    # Docstring markup is for Sphinx, not the terminal.
+    assert "``" not in out and ":func:" not in out and ":class:" not in out
+    assert "ctx.near_tie" in out
+
+
+def test_plain_strips_docstring_markup():
+    from routerd.cli import _plain
+
+    assert _plain("see ``a.b`` and :func:`~routerd.x.kv_wait_s`,\n  :class:`Foo`") == "see a.b and kv_wait_s, Foo"
 
 
 @pytest.mark.parametrize(

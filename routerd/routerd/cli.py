@@ -636,17 +636,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plain(text: str) -> str:
+    """Docstring markup as a terminal reads it: ``code`` and :role:`~a.b.name` lose their marks
+    (a ``~`` keeps the last dotted part, as Sphinx shows it), on one line."""
+    import re
+
+    text = re.sub(r":[a-z]+:`(~?)([^`]+)`", lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), text)
+    return " ".join(text.replace("``", "").split())
+
+
 def _cmd_policies(args: argparse.Namespace) -> int:
     from routerd.policies.registry import DEFAULT_BENCH_POLICIES, POLICIES
 
     for name, cls in POLICIES.items():
         # The class docstring's first paragraph, on one line (some wrap their summary).
-        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+        doc = _plain((cls.__doc__ or "").strip().split("\n\n")[0])
         tags = [t for t, on in (("oracle", cls.oracle), ("default", name in DEFAULT_BENCH_POLICIES)) if on]
         print(f"{name}{' [' + ', '.join(tags) + ']' if tags else ''}: {doc}")
         for field, info in cls.Params.model_fields.items():
-            desc = " ".join((info.description or "").split())
-            print(f"    {field} = {info.default!r}  {desc}")
+            print(f"    {field} = {info.default!r}  {_plain(info.description or '')}")
     return 0
 
 
