@@ -185,3 +185,24 @@ def test_a_training_run_is_reproducible(tmp_path):
     with pytest.raises(ValueError, match="fewer than n=5000"):
         train_es(ESArgs(workload="sample", validate_requests=5000, output=str(tmp_path / "c")))
     assert not (tmp_path / "c").exists()
+
+
+def test_phasewise_train_linear_trains_what_the_module_trains(tmp_path, capsys):
+    from routerd.cli import main
+    from routerd.rl.es import ESArgs, train_es
+
+    args = dict(requests=60, samples=1, generations=2, pairs=1, validate=1, validate_requests=60, jobs=1)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in args.items()]
+    assert main(["train-linear", *flags, "--output", str(tmp_path / "cli"), "--quiet"]) == 0
+    path = capsys.readouterr().out.strip()
+    assert path == str(tmp_path / "cli" / "linear.json")
+    cli = json.loads((tmp_path / "cli" / "linear.json").read_text())
+    mod = json.loads(train_es(ESArgs(**args, output=str(tmp_path / "mod")), log=lambda s: None).read_text())
+    assert cli["training"]["final_weights"] == mod["training"]["final_weights"]
+    assert cli["hyperparameters"] == mod["hyperparameters"]
+    # The checkpoint is what learned_linear loads by folder.
+    assert load_linear_checkpoint(str(tmp_path / "cli")).weights in (tuple(cli["training"]["final_weights"]),
+                                                                     LATE_BINDING_WEIGHTS)
+    # Bad settings: one line, exit 2, nothing written.
+    assert main(["train-linear", "--pairs", "0", "--output", str(tmp_path / "bad")]) == 2
+    assert "pairs must be >= 1" in capsys.readouterr().err and not (tmp_path / "bad").exists()

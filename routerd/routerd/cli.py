@@ -568,6 +568,35 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no per-episode log or progress bar")
 
 
+def _train_linear_parser(sub: argparse._SubParsersAction) -> None:
+    from routerd.rl.es import add_arguments
+
+    p = sub.add_parser(
+        "train-linear",
+        help="learn learned_linear's weights by evolution strategies on the simulator (no torch)",
+        description="Evolution strategies for learned_linear (routerd/routerd/rl/es.py): start at late_binding's "
+        "weights, score whole training samples against it, keep the result only if it beats it on validation "
+        "samples; writes linear.json into --output (learned_linear:checkpoint=FOLDER).",
+    )
+    add_arguments(p)
+    p.add_argument("--quiet", action="store_true", help="no per-generation log; print only the checkpoint's path")
+
+
+def _cmd_train_linear(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from routerd.rl.es import ESArgs, train_es
+
+    a = ESArgs(**{f.name: getattr(args, f.name) for f in fields(ESArgs)})
+    try:
+        path = train_es(a, log=(lambda _msg: None) if args.quiet else print)
+    except ValueError as e:  # ProfileError and WorkloadError are ValueErrors too
+        raise UsageError(str(e).splitlines()[0]) from None
+    if args.quiet:
+        print(path)
+    return 0
+
+
 def _check_output_folder(out: Path) -> None:
     """Refuse, before any training time is spent, an ``--output`` that cannot become a folder."""
     import os
@@ -671,6 +700,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_predictor_parser(sub)
     _train_parser(sub)
+    _train_linear_parser(sub)
     for module in _DATA_PLANE_COMMANDS.values():
         importlib.import_module(module).add_parser(sub)
     return parser
@@ -725,6 +755,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_bench(args)
         if args.command == "train":
             return _cmd_train(args)
+        if args.command == "train-linear":
+            return _cmd_train_linear(args)
         if args.command == "policies":
             return _cmd_policies(args)
         if args.command == "predictor":

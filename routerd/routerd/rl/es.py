@@ -192,14 +192,40 @@ def train_es(args: ESArgs, log: Callable[[str], None] = print) -> Path:
     return path
 
 
+#: Each :class:`ESArgs` field's help on the command line.
+HELP = {
+    "profile": "every instance's hardware profile (a shipped name or a YAML path)",
+    "instances": "instances in the simulated pool",
+    "workload": "training workload (its training part only, routerd.rl.splits)",
+    "load": "offered load as a multiple of round robin's capacity on each sample",
+    "requests": "requests per training sample",
+    "samples": "fresh training samples per generation",
+    "generations": "ES generations",
+    "pairs": "antithetic pairs per generation",
+    "sigma": "perturbation scale (the features are scaled to about 0..1)",
+    "learning_rate": "step size",
+    "seed": "random seed, 0..8 (sample indices and perturbations)",
+    "validate": "validation samples (training part, never trained on) for model selection",
+    "validate_requests": "requests per validation sample",
+    "jobs": "worker processes",
+    "output": "folder to write linear.json into",
+    "data_dir": "folder with traces/ (default ../shared/data)",
+}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Every :class:`ESArgs` field as ``--field-name`` with its default (``python -m routerd.rl.es``
+    and ``phasewise train-linear``)."""
+    for name, value in asdict(ESArgs()).items():
+        kind = type(value) if value is not None else str
+        ap.add_argument("--" + name.replace("_", "-"), type=kind, default=value,
+                        help=f"{HELP[name]} (default: {value})")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m routerd.rl.es``: every :class:`ESArgs` field as ``--field-name``."""
-    ap = argparse.ArgumentParser(prog="python -m routerd.rl.es", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    defaults = ESArgs()
-    for name, value in asdict(defaults).items():
-        kind = type(value) if value is not None else str
-        ap.add_argument("--" + name.replace("_", "-"), type=kind, default=value, help=name.replace("_", " "))
+    ap = argparse.ArgumentParser(prog="python -m routerd.rl.es", description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
     a = ap.parse_args(argv)
     try:
         train_es(ESArgs(**vars(a)))
