@@ -303,6 +303,8 @@ def evaluate(a: argparse.Namespace, log=print) -> dict:
     t0 = time.perf_counter()
     samples: dict[tuple[str, int, int], list] = {}
     caps: dict[tuple[str, int, int], float] = {}
+    # Requests per held-out sample: validate lowers a trace's to fit --seeds disjoint windows.
+    n_of = getattr(a, "eval_requests", {})
 
     def sample(workload: str, i: int, m: int):
         # Generators are drawn at the paper rate for m; traces keep their own rate until rescaled.
@@ -310,7 +312,7 @@ def evaluate(a: argparse.Namespace, log=print) -> dict:
         if key not in samples:
             rate = PAPER_RATE_PER_INSTANCE * m if workload in GENERATORS else None
             try:
-                samples[key] = splits.sample(workload, "eval", i, getattr(a, "eval_requests", {}).get(workload, a.requests), rate, a.data_dir)
+                samples[key] = splits.sample(workload, "eval", i, n_of.get(workload, a.requests), rate, a.data_dir)
             except ValueError as e:  # WorkloadError (missing data), or a held-out part shorter than n
                 raise UsageError(str(e)) from None
         return samples[key]
@@ -398,7 +400,7 @@ def evaluate(a: argparse.Namespace, log=print) -> dict:
             entry["hold_rate_mean"] = statistics.fmean(d["hold_rate"])
             table[label] = entry
         res = {"setting": f"{workload}/{m}", "workload": workload, "profile": profile.name, "instances": m,
-               "requests": getattr(a, "eval_requests", {}).get(workload, a.requests), "seeds": a.seeds,
+               "requests": n_of.get(workload, a.requests), "seeds": a.seeds,
                "sample_indices": list(seeds), "part": "eval",
                "capacity_rps": caps_used, "offered_rate_rps": rates, "load": load, "load_reference": ref,
                "notes": notes, "policies": table}

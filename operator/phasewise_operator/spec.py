@@ -537,15 +537,12 @@ class PoolSpec(_Spec):
         """
         if not self.mixed_profiles:
             return False
+        from routerd.profiles import terms_key  # the model line an inline profile gains is no term
 
-        def terms(p) -> str:
-            # The model line an inline profile gains in a mixed pool is no term (resolve_profile).
-            return repr(sorted(p.model_dump(exclude={"name", "description", "sources", "model"}).items()))
-
-        pool = terms(resolve_profile(self, pool_name="check"))
+        pool = terms_key(resolve_profile(self, pool_name="check"))
         terms_by_model: dict[str, set[str]] = {}
         for g in self.groups():
-            own = terms(resolve_profile(self, pool_name="check", group=g))
+            own = terms_key(resolve_profile(self, pool_name="check", group=g))
             terms_by_model.setdefault(g.model.served, {pool}).add(own)
         return any(len(t) > 1 for t in terms_by_model.values())
 
@@ -808,7 +805,8 @@ def check_pool(spec: PoolSpec) -> None:
         raise SpecError("spec.engine.resources", "an emulated pool must not request nvidia.com/gpu")
     if spec.emulated and spec.engine.args:
         raise SpecError("spec.engine.args", "engine.args are vLLM arguments; an emulated pool must not set them")
-    _check_group_profiles(spec)
+    if routing.policy is not None:
+        _check_group_profiles(spec)  # checked first above when they chose the policy
     for i, g in enumerate(spec.engine_groups or []):
         where = f"spec.engineGroups[{i}]"
         if spec.emulated and g.resources is not None and g.resources.requests_gpu():

@@ -252,7 +252,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                run_bench, seed_workloads, with_max_model_len)
     from routerd.bench_report import (format_capacity, format_intervals, format_study, format_table,
                                       plot_bench, plot_capacity, plot_cdfs, plot_changes, write_requests_csv)
-    from routerd.profiles import get_profile, parse_pool, pool_admission_profile, pool_label
+    from routerd.profiles import get_profile, parse_pool, pool_admission_profile, pool_label, terms_key
 
     try:
         count: int | None = int(args.instances)
@@ -315,9 +315,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         specs, notes = default_bench_policies(m, label)
         # Mixed for the policies: profile terms that differ (a copy of a profile under another
         # name is not), as the operator decides its default (phasewise_operator.spec.mixed_hardware).
-        terms = {repr(sorted(p.model_dump(exclude={"name", "description", "sources", "model"}).items()))
-                 for p in pool}
-        if mixed and len(terms) > 1:
+        if mixed and len({terms_key(p) for p in pool}) > 1:
             # The one policy that prices each instance with its own profile: the operator's default
             # for such a pool (docs/rl.md), so the default table shows it beside the blind ones.
             specs.insert(specs.index("oracle") if "oracle" in specs else len(specs), "predicted_latency")

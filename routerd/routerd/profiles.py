@@ -285,6 +285,14 @@ def profile_model(profile: HardwareProfile) -> str:
     return head if sep and head else profile.name
 
 
+def terms_key(profile: HardwareProfile) -> str:
+    """The profile's terms as one comparable string: equal for two profiles that model the same
+    hardware whatever their name, description, sources or ``model`` line (an inline copy of a
+    shipped profile, or the same YAML under another name). What makes a pool mixed for the
+    defaults (``phasewise bench``'s policies, the operator's ``routing.policy``)."""
+    return repr(sorted(profile.model_dump(exclude={"name", "description", "sources", "model"}).items()))
+
+
 def check_pool(profiles: Sequence[HardwareProfile]) -> None:
     """Check that ``profiles`` (one per instance) can serve one model as one pool.
 
@@ -321,12 +329,10 @@ def parse_pool(text: str) -> tuple[HardwareProfile, ...]:
             invalid profile file.
     """
     out: list[HardwareProfile] = []
-    items = text.split(",")
+    items = text.split(",") if text.strip() else []  # an empty list is said below
     for k, raw in enumerate(items):
         item = raw.strip()
         if not item:
-            if not text.strip():
-                break  # the whole list is empty: said below
             # A stray ',' is a typo for an item, not a smaller pool (e.g. "2xA,,2xB" or "2xA,").
             raise PoolError(f"pool {text!r}: item {k + 1} of {len(items)} is empty; expected COUNT x PROFILE "
                             "items separated by ','")

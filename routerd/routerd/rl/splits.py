@@ -40,6 +40,12 @@ def window(reqs: Sequence[Request], start: int, n: int, rate: float | None = Non
     return rescale_to_rate(out, rate) if rate else out
 
 
+def _part(reqs: Sequence[Request], part: str) -> tuple[int, int]:
+    """``[lo, hi)`` of ``part`` in a trace: the first ``TRAIN_FRACTION`` for training, the rest held out."""
+    cut = int(len(reqs) * TRAIN_FRACTION)
+    return (0, cut) if part == "train" else (cut, len(reqs))
+
+
 def eval_requests(name: str, n: int, samples: int, data_dir: str | None = None) -> int:
     """The largest window size ``<= n`` (requests) at which the held-out part of ``name`` holds
     ``samples`` disjoint windows (:func:`sample`'s ``"eval"`` indices ``0 .. samples - 1``); ``n``
@@ -51,8 +57,8 @@ def eval_requests(name: str, n: int, samples: int, data_dir: str | None = None) 
     """
     if name in GENERATORS:
         return n
-    reqs = _trace(name, data_dir)
-    held = len(reqs) - int(len(reqs) * TRAIN_FRACTION)
+    lo, hi = _part(_trace(name, data_dir), "eval")
+    held = hi - lo
     fit = min(n, held // samples)
     if fit < 2:
         raise ValueError(f"workload {name}: the eval part ({held} requests) cannot hold {samples} disjoint samples")
@@ -75,19 +81,17 @@ def sample(name: str, part: str, index: int, n: int, rate: float | None, data_di
         seed = TRAIN_SEED_BASE + index if part == "train" else index
         return load_workload(name, n=n, rate=rate if rate else 20.0, seed=seed, data_dir=data_dir).requests
     reqs = _trace(name, data_dir)
-    cut = int(len(reqs) * TRAIN_FRACTION)
-    lo, hi = (0, cut) if part == "train" else (cut, len(reqs))
+    lo, hi = _part(reqs, part)
     if hi - lo < n:
         raise ValueError(f"workload {name}: the {part} part has {hi - lo} requests, fewer than n={n}")
     if part == "train":
         start = random.Random(index).randrange(lo, hi - n + 1)
     else:
         # Evaluation windows tile the held-out part, disjoint, so different indices differ.
-        span = hi - lo - n
-        k = max(1, span // n + 1)
+        k = (hi - lo) // n
         if not 0 <= index < k:
             raise ValueError(f"workload {name}: the {part} part ({hi - lo} requests) holds {k} disjoint "
                              f"window{'s' if k > 1 else ''} of n={n} requests, so sample {index} would repeat "
                              f"one; use fewer samples or n <= {(hi - lo) // (index + 1)}")
-        start = lo + index * min(n, span // max(1, k - 1) if k > 1 else 0)
+        start = lo + index * n
     return window(reqs, start, n, rate)
