@@ -45,6 +45,12 @@ would publish for the warm-up prompts sent to it (only the blocks it did not hol
 content as vLLM's chained hashes are), so every candidate's match is the engine index's lookup.
 Tokenization is timed apart (``tokenize``), as the issue asks.
 
+``--baseline in-place`` changes what the ``None`` columns measure in precise mode: the
+load-only pick in precise mode's surroundings (each chosen engine's ``BlockStored`` batch applied
+between picks, as in the prefix run; the prompts are hashed before each pick either way), so the
+ratio is the prefix scoring's own share of the pick; the default ``idle`` baseline is routerd with
+prefix scoring off (no KV events to apply), so its ratio is what turning precise mode on costs.
+
 Also the index's memory (``--memory-bound``): the process's RSS while a stream of unique 4K-token
 prompts fills 4 instances' index to the bound and goes on for twice as much again (it levels off
 past the bound: the dicts' tables and the allocator keep what churn needs).
@@ -56,7 +62,7 @@ figures.
 Usage: python benchmarks/prefix_decision_cost.py [--n 3000] [--instances 4,8] [--tokens 1024,4096,8192]
        [--chunk-blocks 4,1] [--policies llmd,sglang_cache_aware,dynamo_kv,phasewise] [--load 16]
        [--memory-bound 262144] [--modes approximate,precise] [--collector routerd|cpython]
-       [--repeat 3] [--hash-up-front]
+       [--repeat 3] [--hash-up-front] [--baseline idle|in-place]
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ from routerd.profiles import get_profile
 
 PROFILE = "llama3.1-8b-h100"
 HASH_AT_PARSE = True  # --hash-up-front: False
+BASELINE_IN_PLACE = False  # --baseline in-place: the None run meets the engines' KV events too
 PACER = None  # routerd's collector (--collector routerd), run between decisions
 NEW_TOKENS = 50  # the new question at the end of each timed prompt
 
@@ -253,7 +260,7 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
                 g = cpu()
                 PACER.collect_if_due()
                 gc_ns += cpu() - g
-            if precise and with_prefix and choice is not None:
+            if precise and (with_prefix or BASELINE_IN_PLACE) and choice is not None:
                 engine_store(eps[choice], prefix, texts[k], seqs[choice])  # the engine's events, later
             ns.append(t)
             cpu_ns.append(c)
@@ -376,6 +383,10 @@ def main() -> None:
     ap.add_argument("--hash-up-front", action="store_true",
                     help="hash every timed prompt before timing (as the benchmark did until 2026-12-03) instead of right "
                          "before its pick, as routerd does at parse")
+    ap.add_argument("--baseline", default="idle", choices=["idle", "in-place"],
+                    help="the prefix=None run: idle (as routerd with prefix off: no KV events between "
+                         "picks) or in-place (precise mode's surroundings kept: each chosen engine's "
+                         "KV events applied between picks, only the pick's prefix scoring left out)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each cell (the same seeded prompts and views); its figures are "
                          "the medians over the runs, and the worst run's CPU p99 is printed beside")
@@ -408,8 +419,9 @@ def main() -> None:
                   ", ".join(f"{n} prompts {r:.0f} MB ({b} blocks)" for n, r, b in rows) +
                   f"; {(rows[-1][1] - rows[0][1]) * 1e6 / max(1, rows[-1][2] // 4):.0f} bytes per entry of 4 blocks"
                   " at the end")
-    global PACER, HASH_AT_PARSE
+    global PACER, HASH_AT_PARSE, BASELINE_IN_PLACE
     HASH_AT_PARSE = not a.hash_up_front
+    BASELINE_IN_PLACE = a.baseline == "in-place"
     if a.collector == "routerd":
         # As routerd runs (routerd.daemon.collector): start-up objects frozen, no automatic
         # collection, the same collections between callbacks (here: after each decision's update).
@@ -434,7 +446,8 @@ def main() -> None:
     for worst in (False, True):
         what = ("worst: the whole prompt cached on every instance" if worst else
                 "conversations: history on one instance, system prompt (1/4) on several")
-        print(f"\npick with prefix vs prefix=None, us ({what}; {PROFILE}, {a.load} in flight per instance);"
+        base = "in place: KV events applied between its picks too" if BASELINE_IN_PLACE else "idle"
+        print(f"\npick with prefix vs prefix=None ({base}), us ({what}; {PROFILE}, {a.load} in flight per instance);"
               f" wall clock, then the thread's CPU clock (without preemption); chunk 'tok': precise mode (KV-event"
               f" index, one key per token block); medians of {a.repeat} runs, the largest run's CPU p99 beside")
         print(f"{'policy':>19} {'m':>2} {'tokens':>6} {'chunk':>5} | {'p50':>6} {'p99':>6} {'None':>5} {'None':>5} "
