@@ -45,6 +45,12 @@ would publish for the warm-up prompts sent to it (only the blocks it did not hol
 content as vLLM's chained hashes are), so every candidate's match is the engine index's lookup.
 Tokenization is timed apart (``tokenize``), as the issue asks.
 
+Before the tables, the machine's own tail (:func:`machine_tail`): p50 and p99 of a fixed
+loop of Python work sized to about 25, 50, 75 and 100 us. On a shared virtual machine its p99 is
+well above its p50 (session 31, three runs: p50 40.6-49.3 us with p99 81.1-106.2, p50 55.2-78.0
+with p99 100.5-150.6), so there a pick whose p50 is over about 45 us has a p99 near or over 100 us
+whatever its code; a pick's p99 is read beside the fixed work's at the same p50.
+
 ``--baseline in-place`` changes what the ``None`` columns measure in precise mode: the
 load-only pick in precise mode's surroundings (each chosen engine's ``BlockStored`` batch applied
 between picks, as in the prefix run; the prompts are hashed before each pick either way), so the
@@ -304,6 +310,36 @@ def hashing(tokens: int, chunk: int, n: int, precise: bool = False) -> tuple[flo
     return p50, p99, len(p.extents)
 
 
+def _spin(n: int) -> int:
+    s = 0
+    for i in range(n):
+        s += i * i
+    return s
+
+
+def machine_tail(targets_us: tuple[int, ...] = (25, 50, 75, 100), n: int = 3000) -> list[tuple[int, float, float]]:
+    """The machine's own tail for a fixed amount of Python work: ``(target us, p50, p99)`` of the
+    thread CPU time (us) of a loop with no allocation and a working set of a few objects, sized
+    to take about ``target`` us, timed ``n`` times after 10% warm-up. Its p99 above its p50 is
+    what this machine adds to any computation of that length (timer interrupts, the
+    hypervisor's exits and steal, the other core's work evicting caches), so a pick's p99 is
+    read beside the fixed work's p99 at the pick's p50, not against an absolute figure alone."""
+    cpu = time.thread_time_ns
+    t = cpu()
+    _spin(200_000)
+    per = max(1, cpu() - t) / 200_000
+    rows = []
+    for target in targets_us:
+        k = max(1, int(target * 1000 / per))
+        ns = []
+        for _ in range(n):
+            c = cpu()
+            _spin(k)
+            ns.append(cpu() - c)
+        rows.append((target, *pct(ns[n // 10:])))
+    return rows
+
+
 def steal_jiffies() -> int | None:
     """The machine's CPU time stolen by its hypervisor so far (``/proc/stat``'s ``steal``,
     USER_HZ ticks summed over CPUs), or None where the kernel does not say. Thread CPU clocks
@@ -434,6 +470,8 @@ def main() -> None:
     else:
         gc.freeze()
 
+    tail = " | ".join(f"~{t} us: p50 {p50:.1f} p99 {p99:.1f}" for t, p50, p99 in machine_tail())
+    print(f"this machine's tail (a fixed loop of Python work, thread CPU, us): {tail}")
     print(f"prefix hashing (PrefixIdentity.blocks_for, once per request at parse; precise: tokenization "
           f"included), us; {a.n} prompts per row")
     print(f"{'tokens':>7} {'chunk_blocks':>12} {'extents':>8} {'p50':>8} {'p99':>8}")
