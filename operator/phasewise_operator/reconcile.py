@@ -268,7 +268,9 @@ class Controller:
                     "activeCheckpoint": ckpt.config_map if ckpt else "",
                     "configHash": builders.short_hash(cm.get("data", {}) | cm.get("binaryData", {})),
                 }
-                if ckpt is not None:
+                if ckpt is not None and spec.routing_policy() == "dqn":
+                    # Only dqn loads it: a train job writes its checkpoint into a pool routed by
+                    # another policy, whose routerd never reads it, so no shape can be wrong there.
                     mismatch = jobs.checkpoint_problem(ckpt, spec.total_replicas(), _replicas_field(spec))
                     if mismatch:
                         # Applied all the same: routerd falls back to round robin and says so.

@@ -720,6 +720,17 @@ def test_train_job_writes_the_checkpoint_into_the_pool(k8s, kube, operator, name
     assert base64.b64decode(rcm["binaryData"]["checkpoint-model.safetensors"]) == b"\x00\x01weights"
     routerd1 = kube.get("apps/v1", "Deployment", namespace, "learn-routerd")
     assert routerd1["spec"]["template"] == routerd0["spec"]["template"]  # routerd reloads it, no restart
+    # A 2-instance checkpoint beside 3 replicas: no problem while nothing routes with it (the
+    # pool's policy is not dqn), CheckpointMismatch once dqn would load it.
+    gen = kube.merge_patch(G, "LLMRouterPool", namespace, "learn",
+                           {"spec": {"engine": {"replicas": 3}}})["metadata"]["generation"]
+    p = wait_for(lambda: (lambda o: o if o["status"].get("observedGeneration", 0) >= gen else None)(
+        pool(kube, namespace, "learn")), what="3 replicas reconciled")
+    assert (condition(p, "Degraded") or {}).get("status") == "False", condition(p, "Degraded")
+    kube.merge_patch(G, "LLMRouterPool", namespace, "learn", {"spec": {"routing": {"policy": "dqn"}}})
+    p = wait_for(lambda: (lambda o: o if (condition(o, "Degraded") or {}).get("reason") == "CheckpointMismatch"
+                          else None)(pool(kube, namespace, "learn")), what="CheckpointMismatch under dqn")
+    assert "trained for 2 instances; spec.engine.replicas is 3" in condition(p, "Degraded")["message"]
 
 
 # ---------------------------------------------------------------- scale
