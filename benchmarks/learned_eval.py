@@ -68,26 +68,16 @@ def decision_cost(prof, m: int, residents: int, picks: int, specs: list[str], se
     from routerd.policies.base import ClusterView
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mixed_pools import time_picks
     from prefix_decision_cost import views  # routerd's own views with residents, as the prefix benchmark builds them
 
     eps = views(prof, m, residents, np.random.default_rng(seed))
     view = ClusterView(0.0, eps, 1)
     rng = random.Random(seed)
     pols = {s: build_policy_from_spec(s, PolicyContext(prof, m, seed=seed)) for s in specs}
-    times: dict[str, list[int]] = {s: [] for s in specs}
-    sent = dict.fromkeys(specs, 0)
-    for k in range(picks):
-        r = RequestFeatures(k, 0.0, rng.randint(20, 2000), 1, 400.0)
-        for s, p in pols.items():
-            t0 = time.thread_time_ns()
-            c = p.pick(r, view)
-            times[s].append(time.thread_time_ns() - t0)
-            sent[s] += c is not None
-    out = {}
-    for s, ts in times.items():
-        ts.sort()
-        out[s] = (ts[len(ts) // 2] / 1e3, ts[int(0.99 * (len(ts) - 1))] / 1e3, sent[s] / max(1, picks))
-    return out
+    cost = time_picks(pols, picks, lambda k: RequestFeatures(k, 0.0, rng.randint(20, 2000), 1, 400.0),
+                      lambda k: view)
+    return {s: (c["p50_us"], c["p99_us"], c["dispatched"]) for s, c in cost.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,6 +79,9 @@ from typing import Sequence
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # mixed_pools, prefix_decision_cost
+
+from mixed_pools import bucket_request, static_views, time_picks  # noqa: E402
 from routerd.bench import load_to_rate, paired_interval, policy_context, run_bench, run_policy
 from routerd.policies.base import ClusterView, PolicyContext, PolicyParams, RequestFeatures, RoutingPolicy, pick_cheapest
 from routerd.policies.kv_headroom import blocks_for, kv_deficit_blocks, outstanding_tokens, predicted_footprint_tokens
@@ -338,97 +341,36 @@ def evaluate(a: argparse.Namespace, weights: dict[str, Sequence[float]]) -> list
 
 
 def decision_cost(pool, residents: int, picks: int, weights: Sequence[float], seed: int = 0) -> dict:
-    """p50 / p99 thread CPU per pick (us) of round_robin, predicted_latency and learned_mixed on the
-    same views, interleaved (views built as ``benchmarks/mixed_pools.py``'s ``decision_cost``)."""
-    from routerd.model import PREDICTOR_BUCKET_EDGES, bucket_mid_tokens
-    from routerd.policies import ResidentRequest, StaticInstanceView, build_policy
+    """:func:`time_picks` of round_robin, predicted_latency and learned_mixed on hand-made views
+    (``benchmarks/mixed_pools.py``'s :func:`static_views`, whose aggregates are scans)."""
+    from routerd.policies import build_policy
 
     rng = random.Random(seed)
-    m = len(pool)
-
-    def resident(waiting: bool) -> ResidentRequest:
-        b = rng.choice((0, 0, 1, 1, 2))
-        pred = bucket_mid_tokens(b, PREDICTOR_BUCKET_EDGES)
-        gen = 0 if waiting else rng.randint(0, int(1.2 * pred))
-        return ResidentRequest(rng.randint(20, 2000), gen, b, pred, waiting, waiting)
-
-    views = []
-    for _ in range(64):
-        insts = []
-        for i in range(m):
-            n_wait = residents // 8
-            rs = [resident(False) for _ in range(residents - n_wait)] + [resident(True) for _ in range(n_wait)]
-            bs = pool[i].block_size
-            held = sum(blocks_for(r.prompt_tokens + r.generated_tokens, bs) for r in rs)
-            insts.append(StaticInstanceView.from_residents(i, rs, kv_total_blocks=max(pool[i].num_blocks, held),
-                                                           block_size=bs))
-        views.append(ClusterView(0.0, insts, 1))
-    ctx = PolicyContext(pool[0], m, profiles=tuple(pool))
+    views = static_views(pool, residents, rng)
+    ctx = PolicyContext(pool[0], len(pool), profiles=tuple(pool))
     pols = {name: build_policy(name, {}, ctx) for name in ("round_robin", "predicted_latency")}
     # The views hold waiting residents, so late_binding's admission (max_waiting 0) would hold every
     # request there; max_waiting=8 lets the learned policy score all instances (the priced path).
     pols["learned_mixed"] = LearnedMixed(ctx, LinearParams(max_waiting=8), weights=weights)
-    times: dict[str, list[int]] = {name: [] for name in pols}
-    sent = dict.fromkeys(pols, 0)
-    for k in range(picks):
-        v = views[k % len(views)]
-        b = rng.choice((0, 1, 2))
-        r = RequestFeatures(k, 0.0, rng.randint(20, 2000), b, bucket_mid_tokens(b, PREDICTOR_BUCKET_EDGES))
-        for name, p in pols.items():
-            t0 = time.thread_time_ns()
-            c = p.pick(r, v)
-            times[name].append(time.thread_time_ns() - t0)
-            sent[name] += c is not None
-    out = {}
-    for name, ts in times.items():
-        ts.sort()
-        out[name] = {"p50_us": ts[len(ts) // 2] / 1e3, "p99_us": ts[int(0.99 * (len(ts) - 1))] / 1e3,
-                     "dispatched": sent[name] / picks}
-    return out
+
+    return time_picks(pols, picks, lambda k: bucket_request(rng, k), lambda k: views[k % len(views)])
 
 
 def decision_cost_routerd(pool, residents: int, picks: int, weights: Sequence[float], seed: int = 0) -> dict:
     """As :func:`decision_cost`, on routerd's own instance views (``routerd.daemon.state.EndpointState``,
-    O(1) load aggregates, as a live decision reads them; built as ``benchmarks/prefix_decision_cost.py``'s
+    O(1) load aggregates, as a live decision reads them; ``benchmarks/prefix_decision_cost.py``'s
     ``views``, each instance with its own profile), 3 in 4 residents decoding."""
-    from routerd.daemon.bookkeeping import Inflight
-    from routerd.daemon.state import EndpointState
-
-    nrng = np.random.default_rng(seed)
-    m = len(pool)
-    eps = []
-    for i in range(m):
-        ep = EndpointState(i, f"e{i}", f"http://10.0.0.{i}:8000", None, True, pool[i])
-        for k in range(residents):
-            r = Inflight(k, k, int(nrng.integers(200, 4000)), int(nrng.integers(0, 4)), 400.0, 0.0)
-            ep.add(r, 0.0)
-            if k % 4:
-                ep.on_first_token(r)
-                ep.on_tokens(r, int(nrng.integers(1, 300)))
-        ep.refresh(0.0, 2.0)
-        eps.append(ep)
-    view = ClusterView(0.0, eps, 1)
-    ctx = PolicyContext(pool[0], m, seed=seed, profiles=tuple(pool))
     from routerd.policies import build_policy
+    from prefix_decision_cost import views
+
+    view = ClusterView(0.0, views(list(pool), len(pool), residents, np.random.default_rng(seed)), 1)
+    ctx = PolicyContext(pool[0], len(pool), seed=seed, profiles=tuple(pool))
     pols = {name: build_policy(name, {}, ctx) for name in ("round_robin", "predicted_latency")}
     pols["learned_mixed"] = LearnedMixed(ctx, weights=weights)
     pols["learned_mixed max_waiting=8"] = LearnedMixed(ctx, LinearParams(max_waiting=8), weights=weights)
     rng = random.Random(seed)
-    times: dict[str, list[int]] = {name: [] for name in pols}
-    sent = dict.fromkeys(pols, 0)
-    for k in range(picks):
-        r = RequestFeatures(k, 0.0, rng.randint(20, 2000), 1, 400.0)
-        for name, p in pols.items():
-            t0 = time.thread_time_ns()
-            c = p.pick(r, view)
-            times[name].append(time.thread_time_ns() - t0)
-            sent[name] += c is not None
-    out = {}
-    for name, ts in times.items():
-        ts.sort()
-        out[name] = {"p50_us": ts[len(ts) // 2] / 1e3, "p99_us": ts[int(0.99 * (len(ts) - 1))] / 1e3,
-                     "dispatched": sent[name] / picks}
-    return out
+    return time_picks(pols, picks, lambda k: RequestFeatures(k, 0.0, rng.randint(20, 2000), 1, 400.0),
+                      lambda k: view)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,10 +53,10 @@ def fmt(iv) -> str:
     return f"{iv.mean:+.1f}% [{iv.low:+.1f}, {iv.high:+.1f}]"
 
 
-def decision_cost(pool, residents: int, picks: int, seed: int = 0) -> dict[str, dict[str, float]]:
-    """p50 / p99 thread CPU time per ``pick`` (microseconds) of round robin and
-    ``predicted_latency`` on the same views, interleaved."""
-    rng = random.Random(seed)
+def static_views(pool, residents: int, rng: random.Random, count: int = 64) -> list[ClusterView]:
+    """``count`` cluster views of hand-made instances, one per profile of ``pool``, each with
+    ``residents`` residents (7 in 8 decoding, the rest waiting; lengths from public-mix's
+    buckets), drawn from ``rng``. Every aggregate of these views is a scan of the residents."""
     m = len(pool)
 
     def resident(waiting: bool) -> ResidentRequest:
@@ -66,7 +66,7 @@ def decision_cost(pool, residents: int, picks: int, seed: int = 0) -> dict[str, 
         return ResidentRequest(rng.randint(20, 2000), gen, b, pred, waiting, waiting)
 
     views = []
-    for _ in range(64):
+    for _ in range(count):
         insts = []
         for i in range(m):
             n_wait = residents // 8
@@ -78,22 +78,44 @@ def decision_cost(pool, residents: int, picks: int, seed: int = 0) -> dict[str, 
             insts.append(StaticInstanceView.from_residents(i, rs, kv_total_blocks=max(pool[i].num_blocks, held),
                                                            block_size=bs))
         views.append(ClusterView(0.0, insts, 1))
-    ctx = PolicyContext(pool[0], m, profiles=tuple(pool))
-    pols = {name: build_policy(name, {}, ctx) for name in ("round_robin", "predicted_latency")}
+    return views
+
+
+def time_picks(pols: dict, picks: int, request, view) -> dict[str, dict[str, float]]:
+    """p50 / p99 thread CPU time per ``pick`` (us, ``time.thread_time_ns``) and the share of
+    picks that dispatched, of each of ``pols`` (name -> policy) on the same ``picks`` requests
+    and views, interleaved: ``request(k)`` and ``view(k)`` give pick ``k``'s."""
     times: dict[str, list[int]] = {name: [] for name in pols}
+    sent = dict.fromkeys(pols, 0)
     for k in range(picks):
-        v = views[k % len(views)]
-        b = rng.choice((0, 1, 2))
-        r = RequestFeatures(k, 0.0, rng.randint(20, 2000), b, bucket_mid_tokens(b, PREDICTOR_BUCKET_EDGES))
+        r, v = request(k), view(k)
         for name, p in pols.items():
             t0 = time.thread_time_ns()
-            p.pick(r, v)
+            c = p.pick(r, v)
             times[name].append(time.thread_time_ns() - t0)
+            sent[name] += c is not None
     out = {}
     for name, ts in times.items():
         ts.sort()
-        out[name] = {"p50_us": ts[len(ts) // 2] / 1e3, "p99_us": ts[int(0.99 * (len(ts) - 1))] / 1e3}
+        out[name] = {"p50_us": ts[len(ts) // 2] / 1e3, "p99_us": ts[int(0.99 * (len(ts) - 1))] / 1e3,
+                     "dispatched": sent[name] / max(1, picks)}
     return out
+
+
+def bucket_request(rng: random.Random, k: int) -> RequestFeatures:
+    """Request ``k`` of a decision-cost run: 20-2,000 prompt tokens, a predicted bucket at random."""
+    b = rng.choice((0, 1, 2))
+    return RequestFeatures(k, 0.0, rng.randint(20, 2000), b, bucket_mid_tokens(b, PREDICTOR_BUCKET_EDGES))
+
+
+def decision_cost(pool, residents: int, picks: int, seed: int = 0) -> dict[str, dict[str, float]]:
+    """:func:`time_picks` of round robin and ``predicted_latency`` on the same views
+    (:func:`static_views`)."""
+    rng = random.Random(seed)
+    views = static_views(pool, residents, rng)
+    ctx = PolicyContext(pool[0], len(pool), profiles=tuple(pool))
+    pols = {name: build_policy(name, {}, ctx) for name in ("round_robin", "predicted_latency")}
+    return time_picks(pols, picks, lambda k: bucket_request(rng, k), lambda k: views[k % len(views)])
 
 
 def main(argv: list[str] | None = None) -> int:

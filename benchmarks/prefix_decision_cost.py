@@ -111,9 +111,12 @@ def words(rng: random.Random, nbytes: int) -> str:
 
 
 def views(prof, m: int, load: int, rng: np.random.Generator) -> list[EndpointState]:
+    """``m`` of routerd's own endpoint views with ``load`` requests in flight each (3 in 4
+    decoding), drawn from ``rng``; ``prof``: one profile for all, or a sequence of ``m``."""
+    profs = list(prof) if isinstance(prof, (list, tuple)) else [prof] * m
     eps = []
     for i in range(m):
-        ep = EndpointState(i, f"e{i}", f"http://10.0.0.{i}:8000", None, True, prof)
+        ep = EndpointState(i, f"e{i}", f"http://10.0.0.{i}:8000", None, True, profs[i])
         for k in range(load):
             r = Inflight(k, k, int(rng.integers(200, 4000)), int(rng.integers(0, 4)), 400.0, 0.0)
             ep.add(r, 0.0)
