@@ -179,6 +179,22 @@ def test_non_finite_or_degenerate_numbers_are_refused(tmp_path, capsys, args):
     assert capsys.readouterr().err.startswith("phasewise: error:")
 
 
+@pytest.mark.parametrize("args, expect", [(["--rate", "0"], "--rate must be a finite number of requests/s > 0, got 0.0"),
+                                          (["--rate", "nan"], "--rate must be"),
+                                          (["--limit", "0"], "--limit must be a positive number of requests, got 0")])
+def test_rate_and_limit_errors_name_the_flag(tmp_path, capsys, args, expect):
+    assert main(["bench", "--no-plot", "-o", str(tmp_path)] + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"phasewise: error: {expect}" or (expect in err and err.count("\n") == 0)
+    assert "None" not in err
+
+
+def test_bench_takes_policy_as_an_alias_of_policies(tmp_path):
+    # serve and epp take --policy (one); bench's --policies accepts the same spelling.
+    assert main(["bench", "--limit", "30", "--policy", "round_robin", "--no-plot", "-o", str(tmp_path)]) == 0
+    assert [r["policy"] for r in json.loads((tmp_path / "bench.json").read_text())["results"]] == ["round_robin"]
+
+
 @pytest.mark.parametrize("instances, has_dqn", [(4, True), (3, False)])
 def test_bench_defaults_run_the_shipped_dqn_only_where_it_fits(tmp_path, capsys, instances, has_dqn):
     from routerd.policies.registry import DEFAULT_BENCH_POLICIES

@@ -39,7 +39,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--instances", "-m", default=str(DEFAULT_INSTANCES),
                    help="number of instances (each of --profile), or a mixed pool of one model as COUNTxPROFILE "
                         "items separated by ',' (e.g. 2xllama3.1-8b-a100,2xllama3.1-8b-h100; then no --profile)")
-    p.add_argument("--policies", default=None,
+    p.add_argument("--policies", "--policy", default=None,
                    help="policy specs separated by ';' or ',' (name or name:key=value|key=value); default: "
                         + ",".join(DEFAULT_BENCH_POLICIES) + " (a mixed --instances pool adds predicted_latency)")
     p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s); traces are rescaled")
@@ -267,6 +267,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--action-interval must be a finite number of seconds >= 1e-4, got {args.action_interval}")
     if args.seeds < 1:
         raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
+        raise UsageError(f"--rate must be a finite number of requests/s > 0, got {args.rate}")
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit must be a positive number of requests, got {args.limit}")
     if args.load is not None:
         if not (math.isfinite(args.load) and args.load > 0):
             raise UsageError(f"--load must be a finite multiple > 0 of round robin's capacity, got {args.load}")

@@ -178,7 +178,7 @@ class Params(PolicyParams):
     """Parameters of ``learned_linear``."""
 
     checkpoint: str = DEFAULT_CHECKPOINT
-    """Checkpoint folder (``python -m routerd.rl.es --output``) or a shipped one: ``default`` (=
+    """Checkpoint folder (``phasewise train-linear --output``) or a shipped one: ``default`` (=
     ``public-mix``) or ``azure-conv``, each trained on 4 x llama2-7b-v100 at 1.5x round robin's
     capacity on that workload's training part."""
     reserve_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
