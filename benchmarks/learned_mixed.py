@@ -305,8 +305,7 @@ def eval_job(job):
 def evaluate(a: argparse.Namespace, weights: dict[str, Sequence[float]]) -> list[dict]:
     global _A
     _A = a
-    seeds = [int(x) for x in a.eval_seeds.split(",")]
-    loads = [float(x) for x in a.loads.split(",")]
+    seeds, loads = a.eval_seeds, a.loads  # lists (check_args)
     n = splits.eval_requests(WORKLOAD, a.eval_requests, len(seeds), a.data_dir)
     jobs = [(pi, i, n, L, weights) for pi in range(len(_POOLS)) for L in loads for i in seeds]
     t0 = time.perf_counter()
@@ -373,6 +372,35 @@ def decision_cost_routerd(pool, residents: int, picks: int, weights: Sequence[fl
                       lambda k: view)
 
 
+def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse settings that cannot run, one line each (``ap.error``, exit 2); turns ``--eval-seeds``
+    and ``--loads`` into lists. Held-out seeds must differ: a repeated sample would count twice
+    in the paired intervals."""
+    if not 0 <= a.seed < 9:
+        ap.error("--seed must be 0..8")
+    try:
+        a.eval_seeds = [int(x) for x in str(a.eval_seeds).split(",")]
+    except ValueError:
+        ap.error(f"--eval-seeds: ','-separated held-out sample indices, got {a.eval_seeds!r}")
+    if min(a.eval_seeds) < 0 or len(set(a.eval_seeds)) != len(a.eval_seeds):
+        ap.error(f"--eval-seeds: distinct indices >= 0, got {a.eval_seeds}")
+    try:
+        a.loads = [float(x) for x in str(a.loads).split(",")]
+    except ValueError:
+        ap.error(f"--loads: ','-separated multiples of round robin's capacity, got {a.loads!r}")
+    for flag, v in [("--loads", x) for x in a.loads] + [("--load", a.load), ("--sigma", a.sigma)]:
+        if not (math.isfinite(v) and v > 0):
+            ap.error(f"{flag}: finite and > 0, got {v}")
+    if not math.isfinite(a.learning_rate):
+        ap.error(f"--learning-rate: finite, got {a.learning_rate}")
+    for flag, v, low in (("--jobs", a.jobs, 1), ("--samples", a.samples, 1), ("--pairs", a.pairs, 1),
+                         ("--requests", a.requests, 2), ("--validate-requests", a.validate_requests, 2),
+                         ("--eval-requests", a.eval_requests, 2), ("--residents", a.residents, 1),
+                         ("--generations", a.generations, 0), ("--validate", a.validate, 0), ("--picks", a.picks, 0)):
+        if v < low:
+            ap.error(f"{flag}: at least {low}, got {v}")
+
+
 def main(argv: list[str] | None = None) -> int:
     global _POOLS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -401,8 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default="bench-out/learned_mixed.json")
     a = ap.parse_args(argv)
-    if not 0 <= a.seed < 9:
-        ap.error("--seed must be 0..8")
+    check_args(ap, a)
     start = STARTS[a.start]
     pools: dict[str, list] = {}
     for flag, text in (("--pools", a.pools), ("--train-pools", a.train_pools)):
@@ -416,11 +443,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.weights:
         try:
             doc = json.loads(Path(a.weights).read_text())
-            chosen = [float(w) for w in (doc["training"]["chosen"] if "training" in doc else doc["chosen"])]
+            raw = doc["training"]["chosen"] if "training" in doc else doc["chosen"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             ap.error(f"--weights {a.weights}: not a weights file of this script ({type(e).__name__}: {e})")
-        if len(chosen) != len(ALL_FEATURES):
-            ap.error(f"--weights {a.weights}: {len(chosen)} weights, expected {len(ALL_FEATURES)}")
+        if not isinstance(raw, list) or len(raw) != len(ALL_FEATURES):
+            ap.error(f"--weights {a.weights}: 'chosen' must be a list of {len(ALL_FEATURES)} numbers, got {str(raw)[:80]}")
+        bad = [w for w in raw if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)]
+        if bad:
+            ap.error(f"--weights {a.weights}: weights must be finite numbers, got {bad[:3]}")
+        chosen = [float(w) for w in raw]
         record["training"] = {"loaded_from": a.weights, "chosen": chosen}
     elif a.generations > 0 or a.validate > 0:
         _POOLS = pools["--train-pools"]

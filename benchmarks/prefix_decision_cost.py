@@ -45,8 +45,8 @@ would publish for the warm-up prompts sent to it (only the blocks it did not hol
 content as vLLM's chained hashes are), so every candidate's match is the engine index's lookup.
 Tokenization is timed apart (``tokenize``), as the issue asks.
 
-Before the tables, the machine's own tail (:func:`machine_tail`): p50 and p99 of a fixed
-loop of Python work sized to about 25, 50, 75 and 100 us. On a shared virtual machine its p99 is
+First, the machine's own tail (:func:`machine_tail`): p50 and p99 of a fixed loop of Python
+integer arithmetic sized to about 25, 50, 75 and 100 us. On a shared virtual machine its p99 is
 well above its p50 (session 31, three runs: p50 40.6-49.3 us with p99 81.1-106.2, p50 55.2-78.0
 with p99 100.5-150.6), so there a pick whose p50 is over about 45 us has a p99 near or over 100 us
 whatever its code; a pick's p99 is read beside the fixed work's at the same p50.
@@ -54,8 +54,9 @@ whatever its code; a pick's p99 is read beside the fixed work's at the same p50.
 ``--baseline in-place`` changes what the ``None`` columns measure in precise mode: the
 load-only pick in precise mode's surroundings (each chosen engine's ``BlockStored`` batch applied
 between picks, as in the prefix run; the prompts are hashed before each pick either way), so the
-ratio is the prefix scoring's own share of the pick; the default ``idle`` baseline is routerd with
-prefix scoring off (no KV events to apply), so its ratio is what turning precise mode on costs.
+ratio is the prefix scoring's own share of the pick. The default ``idle`` baseline applies no KV
+events between its picks (the warm-up's are applied, and each prompt is still hashed before its
+pick), so it is closer to routerd with prefix scoring off.
 
 Also the index's memory (``--memory-bound``): the process's RSS while a stream of unique 4K-token
 prompts fills 4 instances' index to the bound and goes on for twice as much again (it levels off
@@ -322,8 +323,9 @@ def _spin(n: int) -> int:
 
 def machine_tail(targets_us: tuple[int, ...] = (25, 50, 75, 100), n: int = 3000) -> list[tuple[int, float, float]]:
     """The machine's own tail for a fixed amount of Python work: ``(target us, p50, p99)`` of the
-    thread CPU time (us) of a loop with no allocation and a working set of a few objects, sized
-    to take about ``target`` us, timed ``n`` times after 10% warm-up. Its p99 above its p50 is
+    thread CPU time (us) of an integer-arithmetic loop (the same work every time; its only
+    allocations are the loop's own integers, freed as it goes), sized to take about ``target``
+    us, timed ``n`` times after 10% warm-up. Its p99 above its p50 is
     what this machine adds to any computation of that length (timer interrupts, the
     hypervisor's exits and steal, the other core's work evicting caches), so a pick's p99 is
     read beside the fixed work's p99 at the pick's p50, not against an absolute figure alone."""
@@ -423,9 +425,9 @@ def main() -> None:
                     help="hash every timed prompt before timing (as the benchmark did until 2026-12-03) instead of right "
                          "before its pick, as routerd does at parse")
     ap.add_argument("--baseline", default="idle", choices=["idle", "in-place"],
-                    help="the prefix=None run: idle (as routerd with prefix off: no KV events between "
-                         "picks) or in-place (precise mode's surroundings kept: each chosen engine's "
-                         "KV events applied between picks, only the pick's prefix scoring left out)")
+                    help="precise mode's prefix=None run: idle (no KV events applied between its "
+                         "picks) or in-place (each chosen engine's KV events applied between picks, as "
+                         "in the prefix run: only the pick's prefix scoring left out); needs --modes precise")
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each cell (the same seeded prompts and views); its figures are "
                          "the medians over the runs, and the worst run's CPU p99 is printed beside")
@@ -450,6 +452,10 @@ def main() -> None:
     for name in pols:
         if name not in REGISTERED:
             ap.error(f"--policies: unknown policy {name!r}; valid: {', '.join(REGISTERED)}")
+    if a.baseline == "in-place" and "precise" not in modes:
+        ap.error("--baseline in-place changes precise mode's baseline only; add --modes precise")
+    tail = " | ".join(f"~{t} us: p50 {p50:.1f} p99 {p99:.1f}" for t, p50, p99 in machine_tail())
+    print(f"this machine's tail (a fixed loop of Python arithmetic, thread CPU, us): {tail}")
     if a.memory_bound:
         for ttl in (False, True):
             rows = memory(a.memory_bound, 4, ttl)
@@ -473,8 +479,6 @@ def main() -> None:
     else:
         gc.freeze()
 
-    tail = " | ".join(f"~{t} us: p50 {p50:.1f} p99 {p99:.1f}" for t, p50, p99 in machine_tail())
-    print(f"this machine's tail (a fixed loop of Python work, thread CPU, us): {tail}")
     print(f"prefix hashing (PrefixIdentity.blocks_for, once per request at parse; precise: tokenization "
           f"included), us; {a.n} prompts per row")
     print(f"{'tokens':>7} {'chunk_blocks':>12} {'extents':>8} {'p50':>8} {'p99':>8}")
