@@ -664,7 +664,7 @@ def pool_status_schema() -> dict[str, Any]:
                            "spec order: what kubectl get's MODEL column shows, engine groups or not)."),
         "activeProfile": _s("Hardware profile routerd was configured with: a shipped name, or "
                             "inline(<basedOn>)."),
-        "activeCheckpoint": _s("ConfigMap of the DQN checkpoint routerd was configured with (empty: none)."),
+        "activeCheckpoint": _s("ConfigMap of the DQN checkpoint mounted for routerd; only policy dqn reads it (empty: none mounted)."),
         "configHash": _s("SHA-256 (first 16 hex digits) of the rendered routerd ConfigMap."),
     })
 

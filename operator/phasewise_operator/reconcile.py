@@ -73,6 +73,8 @@ class Controller:
         self._refresh_pending: set[tuple[str, str]] = set()
         # (namespace, pool) -> {Deployment uid: metadata.generation after this operator's last apply}
         self._applied_generations: dict[tuple[str, str], dict[str, int]] = {}
+        self._unmounted: dict[tuple[str, str], str] = {}
+        """Per pool, why its checkpoint is not mounted under a policy that does not read it (logged once)."""
 
     def _lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
         with self._guard:
@@ -84,6 +86,7 @@ class Controller:
             self._locks.pop((kind, namespace, name), None)
             if kind == "pool":
                 self._applied_generations.pop((namespace, name), None)
+                self._unmounted.pop((namespace, name), None)
 
     # ------------------------------------------------------------ pools
 
@@ -215,6 +218,17 @@ class Controller:
                 outcome = Outcome(ok=False, message=str(e), permanent=True)
             if problem is None:
                 ckpt, problem = self._load_checkpoint(pool, spec)
+                if problem is not None and spec.routing_policy() != "dqn":
+                    # Only dqn reads it: a checkpoint a train job left in a pool routed by another
+                    # policy does not block the pool when it is deleted or unreadable; it is
+                    # not mounted, and is looked up again when the policy becomes dqn.
+                    if self._unmounted.get((namespace, name)) != problem.message:
+                        log.info("pool %s/%s: checkpoint not mounted (%s); policy %s does not read it",
+                                 namespace, name, problem.message, spec.routing_policy())
+                    self._unmounted[(namespace, name)] = problem.message
+                    problem = None
+                else:
+                    self._unmounted.pop((namespace, name), None)
                 if problem is not None:
                     outcome = Outcome(ok=False, message=problem.message,
                                       retry_after=10.0)  # a fixed ConfigMap or spec is seen soon

@@ -731,6 +731,16 @@ def test_train_job_writes_the_checkpoint_into_the_pool(k8s, kube, operator, name
     p = wait_for(lambda: (lambda o: o if (condition(o, "Degraded") or {}).get("reason") == "CheckpointMismatch"
                           else None)(pool(kube, namespace, "learn")), what="CheckpointMismatch under dqn")
     assert "trained for 2 instances; spec.engine.replicas is 3" in condition(p, "Degraded")["message"]
+    # Back on late_binding with the checkpoint ConfigMap deleted: nothing reads it, so the pool
+    # is applied and healthy, with no checkpoint mounted.
+    kube.delete("v1", "ConfigMap", namespace, "train-1-checkpoint")
+    kube.merge_patch(G, "LLMRouterPool", namespace, "learn", {"spec": {"routing": {"policy": "late_binding"}}})
+    p = wait_for(lambda: (lambda o: o if (o["status"].get("activePolicy") == "late_binding"
+                                          and (condition(o, "Degraded") or {}).get("status") == "False") else None)(
+        pool(kube, namespace, "learn")), what="healthy under late_binding without its checkpoint")
+    assert p["status"]["activeCheckpoint"] == ""
+    assert "checkpoint-model.safetensors" not in (kube.get("v1", "ConfigMap", namespace, "learn-routerd")
+                                                  .get("binaryData") or {})
 
 
 # ---------------------------------------------------------------- scale
