@@ -141,6 +141,13 @@ def test_example_pool_with_engine_groups():
     r = helm("template", "x", str(CHART), "--set", "examplePool.engineGroups[0].name=Bad_Name",
              "--set", "examplePool.engineGroups[0].model=m", check=False)
     assert r.returncode != 0 and "engineGroups" in r.stderr, r.stderr
+    # "Several models instead of model": an emptied model beside the groups renders the same pool;
+    # without groups an empty model is refused, naming it.
+    (blank,) = by_kind(render(*sets, "examplePool.model="), "LLMRouterPool")
+    assert blank["spec"] == pool["spec"]
+    r = helm("template", "x", str(CHART), "--set", "examplePool.enabled=true", "--set", "examplePool.model=",
+             check=False)
+    assert r.returncode != 0 and "/examplePool/model" in r.stderr and "minLength" in r.stderr, r.stderr
 
 
 def test_example_pool_with_a_mixed_gpu_group():
