@@ -352,7 +352,7 @@ def test_an_emptied_config_file_is_refused_and_a_good_one_applies(start_stack):
     path.write_text(good.replace(f"- name: emu0\n  url: {s.emulator_urls[0]}\n", ""))
     assert "emu0" not in path.read_text() and "emu1" in path.read_text()
     wait_counts(lambda: reloads(), {"error": 2, "ok": 1}, "the watcher applying the good file")
-    assert "reloaded: policy round_robin, 1 endpoints" in s.routerd.log_text()
+    assert "reloaded: policy round_robin, endpoints: 1" in s.routerd.log_text()
     before = served(s)
     with client(s) as c:
         for i in range(4):

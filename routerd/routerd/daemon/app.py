@@ -246,7 +246,7 @@ class Daemon:
         log.info("tie-break seed %d (router.tie_break_seed %s)", self.router.tie_seed,
                  "set" if s.router.tie_break_seed is not None else "unset: drawn for this process")
         self._log_prefix()
-        log.info("routerd listening on %s%s; policy %s; predictor %s; %d endpoints",
+        log.info("routerd listening on %s%s; policy %s; predictor %s; endpoints: %d",
                  f"http://{s.http.host}:{self.http_port}" if self.http_front
                  else f"no HTTP front (endpoint picker: Envoy ext_proc on {s.epp.host}:{s.epp.port}, "
                       f"{s.epp.mode} mode)",
@@ -809,7 +809,7 @@ class Daemon:
             # read every list now rather than after model_refresh_s.
             self.model_lister.poke_all()
         self.metrics.reloads.labels("ok").inc()
-        log.info("reloaded: policy %s, %d endpoints", settings.policy.name, len(self.router.endpoints))
+        log.info("reloaded: policy %s, endpoints: %d", settings.policy.name, len(self.router.endpoints))
         if old.prefix != settings.prefix or old.policy.name != settings.policy.name:
             self._log_prefix()
         return True

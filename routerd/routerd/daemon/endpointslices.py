@@ -406,7 +406,7 @@ class EndpointSliceWatcher:
         if eps == self._delivered:
             return
         self._delivered = eps
-        log.info("EndpointSlices of %s/%s: %d endpoints (%d ready)", self.namespace, self.source,
+        log.info("EndpointSlices of %s/%s: endpoints %d (ready %d)", self.namespace, self.source,
                  len(eps), sum(e.ready for e in eps))
         try:
             self.on_update(list(eps))
