@@ -110,9 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         for wl in a.workloads.split(","):
             # Disjoint held-out windows: a trace's part holds only so many of --requests.
             n_of[wl] = splits.eval_requests(wl, a.requests, a.seeds, a.data_dir)
-            if n_of[wl] < a.requests:
-                print(f"note: {wl}: {a.seeds} disjoint held-out samples of {n_of[wl]} requests "
-                      f"(the held-out part holds fewer than {a.seeds} x {a.requests})")
+            if note := splits.shrink_note(wl, a.requests, n_of[wl], a.seeds):
+                print(note)
             splits.sample(wl, "eval", a.seeds - 1, n_of[wl], 20.0, a.data_dir)
             for s in specs_for(wl, specs):
                 build_policy_from_spec(s, PolicyContext(prof, ms[0]))

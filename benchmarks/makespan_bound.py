@@ -103,10 +103,9 @@ def check_sample_arguments(ap: argparse.ArgumentParser, a: argparse.Namespace) -
         splits.sample(a.workload, "eval", a.seeds - 1, n, a.rate)
     except (ProfileError, WorkloadError, ValueError) as e:
         ap.exit(2, f"{ap.prog}: error: {e}\n")
-    if n < a.requests:
-        print(f"note: {a.workload}: {a.seeds} disjoint held-out samples of {n} requests "
-              f"(the held-out part holds fewer than {a.seeds} x {a.requests})")
-        a.requests = n
+    if note := splits.shrink_note(a.workload, a.requests, n, a.seeds):
+        print(note)
+    a.requests = n
     return prof
 
 

@@ -224,9 +224,8 @@ def validate(a: argparse.Namespace) -> None:
                 splits.sample(workload, "eval", a.seeds - 1, n, None, a.data_dir)
             except ValueError as e:  # WorkloadError (missing data), or a held-out part too short
                 raise UsageError(f"--settings {workload}: {e}") from None
-            if n < a.requests:
-                print(f"note: {workload}: {a.seeds} disjoint held-out samples of {n} requests "
-                      f"(the held-out part holds fewer than {a.seeds} x {a.requests})")
+            if note := splits.shrink_note(workload, a.requests, n, a.seeds):
+                print(note)
             a.eval_requests[workload] = n
     for spec in a.policies:
         for m in a.instances:  # e.g. dqn's checkpoint fits one instance count only

@@ -65,6 +65,15 @@ def eval_requests(name: str, n: int, samples: int, data_dir: str | None = None) 
     return fit
 
 
+def shrink_note(name: str, n: int, fit: int, samples: int) -> str | None:
+    """The line a benchmark prints when :func:`eval_requests` gave ``fit < n`` (None otherwise):
+    its held-out samples are smaller than asked, so the reader knows what was measured."""
+    if fit >= n:
+        return None
+    return (f"note: {name}: {samples} disjoint held-out samples of {fit} requests "
+            f"(the held-out part holds fewer than {samples} x {n})")
+
+
 def sample(name: str, part: str, index: int, n: int, rate: float | None, data_dir: str | None = None) -> list[Request]:
     """Workload sample number ``index`` of ``part`` (``"train"`` or ``"eval"``).
 
