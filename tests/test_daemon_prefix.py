@@ -18,6 +18,7 @@ from daemon_fakes import FakeBackend, openai_client, sample, start_daemon
 from routerd.daemon import cli
 from routerd.daemon.app import Daemon
 from routerd.daemon.config import PolicyConfig, PrefixConfig, RouterConfig, Settings, load_settings
+from routerd.errors import ConfigError
 from routerd.daemon.discovery import DiscoveredEndpoint
 from routerd.daemon.endpointslices import endpoints_from_slices
 from routerd.daemon.metrics import Metrics
@@ -54,6 +55,11 @@ def test_prefix_defaults_yaml_environment_and_flag(tmp_path):
     args = _args("--prefix-mode", "off")
     o, flags = cli.overrides_from_args(args)
     assert load_settings(f, environ={}, overrides=o, override_flags=flags).prefix.mode == "off"
+    o, flags = cli.overrides_from_args(_args("--prefix-tokenizer", "tok.json"))
+    assert load_settings(f, environ={}, overrides=o, override_flags=flags).prefix.tokenizer == "tok.json"
+    o, flags = cli.overrides_from_args(_args("--prefix-tokenizer", " bytes"))
+    with pytest.raises(ConfigError, match="--prefix-tokenizer"):
+        load_settings(f, environ={}, overrides=o, override_flags=flags)
 
 
 def _args(*argv):

@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-mode", choices=["off", "approximate", "precise"],
                    help="prefix-cache-aware routing: off, approximate (prompt text hashed, each policy's own "
                         "dispatch history; the default) or precise (the engines' KV events) (prefix.mode)")
+    p.add_argument("--prefix-tokenizer", metavar="NAME_OR_PATH",
+                   help="precise mode's tokenizer: bytes (the emulator's) or a Hugging Face tokenizer.json "
+                        "(prefix.tokenizer)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level (log_level)")
 
 
@@ -101,6 +104,8 @@ def overrides_with(args: argparse.Namespace,
         put(("predictor",), args.predictor, "--predictor")
     if getattr(args, "prefix_mode", None) is not None:
         put(("prefix", "mode"), args.prefix_mode, "--prefix-mode")
+    if getattr(args, "prefix_tokenizer", None) is not None:
+        put(("prefix", "tokenizer"), args.prefix_tokenizer, "--prefix-tokenizer")
     if args.log_level is not None:
         put(("log_level",), args.log_level, "--log-level")
     return o, flags
