@@ -180,18 +180,33 @@ class Controller:
             log.info(f"pool {pool.namespace}/{pool.name}: deleted {kind} {name}, no longer in the spec")
         return None
 
-    def _load_checkpoint(self, pool: PoolRef, spec) -> tuple[builders.Checkpoint | None, status.Problem | None]:
+    def _load_checkpoint(self, pool: PoolRef, spec,
+                         policy: str) -> tuple[builders.Checkpoint | None, status.Problem | None]:
+        """The pool's checkpoint ConfigMap, or why it cannot be used. Only ``policy`` dqn reads
+        it: under another one (a train job leaves its checkpoint in a pool routed by, say,
+        ``late_binding``) a missing or unreadable one is not mounted and is no problem, said in
+        the log once per reason, and looked up again when the policy becomes dqn."""
         ref = spec.routing.checkpoint
-        if ref is None:
-            return None, None
-        cm = self.kube.get("v1", "ConfigMap", pool.namespace, ref.config_map)
-        if cm is None:
-            return None, status.Problem("CheckpointNotFound", f"spec.routing.checkpoint.configMap: ConfigMap "
-                                        f"{ref.config_map!r} not found in namespace {pool.namespace}")
-        try:
-            return jobs.checkpoint_from_configmap(cm), None
-        except jobs.ResultError as e:
-            return None, status.Problem("InvalidCheckpoint", f"spec.routing.checkpoint.configMap: {e}")
+        key = (pool.namespace, pool.name)
+        problem = None
+        if ref is not None:
+            cm = self.kube.get("v1", "ConfigMap", pool.namespace, ref.config_map)
+            if cm is None:
+                problem = status.Problem("CheckpointNotFound", f"spec.routing.checkpoint.configMap: ConfigMap "
+                                         f"{ref.config_map!r} not found in namespace {pool.namespace}")
+            else:
+                try:
+                    return jobs.checkpoint_from_configmap(cm), None
+                except jobs.ResultError as e:
+                    problem = status.Problem("InvalidCheckpoint", f"spec.routing.checkpoint.configMap: {e}")
+        if problem is None or policy == "dqn":
+            self._unmounted.pop(key, None)
+            return None, problem
+        if self._unmounted.get(key) != problem.message:
+            log.info("pool %s/%s: checkpoint not mounted (%s); policy %s does not read it",
+                     pool.namespace, pool.name, problem.message, policy)
+        self._unmounted[key] = problem.message
+        return None, None
 
     def reconcile_pool(self, namespace: str, name: str) -> Outcome:
         """Apply every child of the pool and write its status.
@@ -217,18 +232,8 @@ class Controller:
                 problem = status.Problem("InvalidSpec", str(e))
                 outcome = Outcome(ok=False, message=str(e), permanent=True)
             if problem is None:
-                ckpt, problem = self._load_checkpoint(pool, spec)
-                if problem is not None and spec.routing_policy() != "dqn":
-                    # Only dqn reads it: a checkpoint a train job left in a pool routed by another
-                    # policy does not block the pool when it is deleted or unreadable; it is
-                    # not mounted, and is looked up again when the policy becomes dqn.
-                    if self._unmounted.get((namespace, name)) != problem.message:
-                        log.info("pool %s/%s: checkpoint not mounted (%s); policy %s does not read it",
-                                 namespace, name, problem.message, spec.routing_policy())
-                    self._unmounted[(namespace, name)] = problem.message
-                    problem = None
-                else:
-                    self._unmounted.pop((namespace, name), None)
+                policy = spec.routing_policy()  # resolves every group's profile: once per reconcile
+                ckpt, problem = self._load_checkpoint(pool, spec, policy)
                 if problem is not None:
                     outcome = Outcome(ok=False, message=problem.message,
                                       retry_after=10.0)  # a fixed ConfigMap or spec is seen soon
@@ -276,13 +281,13 @@ class Controller:
             if problem is None:
                 cm = next(c for c in children if c["kind"] == "ConfigMap")
                 extra = {
-                    "activePolicy": spec.routing_policy(),
+                    "activePolicy": policy,
                     "servedModels": ",".join(spec.served_models()),
                     "activeProfile": profile_label(spec),
                     "activeCheckpoint": ckpt.config_map if ckpt else "",
                     "configHash": builders.short_hash(cm.get("data", {}) | cm.get("binaryData", {})),
                 }
-                if ckpt is not None and spec.routing_policy() == "dqn":
+                if ckpt is not None and policy == "dqn":
                     # Only dqn loads it: a train job writes its checkpoint into a pool routed by
                     # another policy, whose routerd never reads it, so no shape can be wrong there.
                     mismatch = jobs.checkpoint_problem(ckpt, spec.total_replicas(), _replicas_field(spec))
