@@ -12,7 +12,7 @@ from routerd.profiles import HardwareProfile
 
 # tools/leak_trace.py: an unclosed socket's ResourceWarning (an error here) names the test and
 # the stack that created the socket, so a chance leak in CI points at its source (issue 19).
-pytest_plugins = ("leak_trace",)
+pytest_plugins = ("leak_trace", "realvllm_fixtures")
 
 
 def toy_profile(**overrides) -> HardwareProfile:
