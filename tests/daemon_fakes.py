@@ -6,7 +6,9 @@ SSE ``data:`` events one token each, an optional final usage event
 ``usage.completion_tokens``. It records what it received, how many generations finished
 and how many were cancelled by the client going away (what routerd must cause when its
 own client disconnects). Knobs: first-token delay, per-token delay, dying after k tokens
-(the connection is aborted mid-stream), splitting every event across two writes.
+(the connection is aborted mid-stream), splitting every event across two writes, several tokens
+per event (``coalesce``, as vLLM sends them when its API server falls behind), vLLM's
+``system_fingerprint`` (``fingerprint``), the usage event split across two writes (``split_usage``).
 
 :class:`FakeSidecar` serves ``phasewise.v1.InstanceStateService`` with states the test sets.
 """
@@ -37,8 +39,19 @@ class FakeBackend:
 
     def __init__(self, name: str = "b", *, ttft_s: float = 0.0, token_s: float = 0.0, default_tokens: int = 8,
                  die_after: int | None = None, die_mid_event: bool = True, split_events: bool = False, models=("m",),
-                 pad: int = 0, eol: bytes = b"\n") -> None:
+                 pad: int = 0, eol: bytes = b"\n", coalesce: int = 1, fingerprint: str | None = None,
+                 split_usage: int | None = None) -> None:
         self.name = name
+        self.coalesce = coalesce
+        """Tokens per streamed event (the last event may have fewer): vLLM's ``RequestOutputCollector``
+        merges the outputs its API server has not sent yet into one event."""
+        self.fingerprint = fingerprint
+        """vLLM's ``system_fingerprint``: on each choice's last chunk when the client asked for no usage
+        event, else on the usage event only (``vllm/entrypoints/openai/completion/serving.py``); with it
+        events are compact JSON, as vLLM's pydantic writes them."""
+        self.split_usage = split_usage
+        """Write the usage event in two parts, the first this many bytes (a network read ends inside it)."""
+        self.resets = 0
         self.ttft_s = ttft_s
         self.token_s = token_s
         self.default_tokens = default_tokens
@@ -84,8 +97,14 @@ class FakeBackend:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/reset_prefix_cache", self._reset)
         self.runner, self.port = await serve_app(app, self.port, handler_cancellation=True, shutdown_timeout=0.1)
         return self
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        """vLLM's dev-mode route: ``reset_status`` (200 as a dev-mode vLLM; 404 as one without)."""
+        self.resets += 1
+        return web.Response(status=getattr(self, "reset_status", 200))
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -105,16 +124,25 @@ class FakeBackend:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
 
-    def _event(self, chat: bool, i: int, n: int) -> bytes:
-        text = f"t{i} " + "x" * self.pad
+    def _event(self, chat: bool, i: int, n: int, k: int = 1, usage_asked: bool = False) -> bytes:
+        """The event of tokens ``i`` .. ``i + k - 1`` of ``n``."""
+        text = "".join(f"t{j} " + "x" * self.pad for j in range(i, i + k))
+        last = i + k >= n
         if chat:
-            choice = {"index": 0, "delta": {"content": text}, "finish_reason": "length" if i == n - 1 else None}
+            choice = {"index": 0, "delta": {"content": text}, "finish_reason": "length" if last else None}
             obj = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
                    "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": "length" if i == n - 1 else None}
+            choice = {"index": 0, "text": text, "finish_reason": "length" if last else None}
             obj = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "choices": [choice]}
-        return b"data: " + json.dumps(obj).encode() + self.eol * 2
+        return b"data: " + self._json(obj, last and not usage_asked) + self.eol * 2
+
+    def _json(self, obj: dict, stamp: bool) -> bytes:
+        if self.fingerprint is None:
+            return json.dumps(obj).encode()
+        if stamp:
+            obj["system_fingerprint"] = self.fingerprint
+        return json.dumps(obj, separators=(",", ":")).encode()
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.read()
@@ -157,8 +185,9 @@ class FakeBackend:
                 return web.json_response(obj, headers={"x-backend": self.name})
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-backend": self.name})
             await resp.prepare(request)
-            for i in range(n):
-                if self.die_after is not None and i == self.die_after:
+            for i in range(0, n, self.coalesce):
+                k = min(self.coalesce, n - i)
+                if self.die_after is not None and i <= self.die_after < i + k:
                     # The connection drops (a crashed instance), inside an event or between two.
                     if self.die_mid_event:
                         await resp.write(b'data: {"choices": [{"te')
@@ -168,18 +197,22 @@ class FakeBackend:
                     if self.between_tokens_gate is not None:
                         await self.between_tokens_gate.wait()
                     await asyncio.sleep(self.token_s)
-                ev = self._event(chat, i, n)
+                ev = self._event(chat, i, n, k, usage_opt)
                 if self.split_events:
                     await resp.write(ev[: len(ev) - 1])
                     await asyncio.sleep(0.002)
                     await resp.write(ev[len(ev) - 1:])
                 else:
                     await resp.write(ev)
-                self.tokens_sent += 1
+                self.tokens_sent += k
             if usage_opt:
                 usage = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion", "choices": [],
                          "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}}
-                ev = b"data: " + json.dumps(usage).encode() + self.eol * 2
+                ev = b"data: " + self._json(usage, True) + self.eol * 2
+                if self.split_usage is not None:
+                    await resp.write(ev[:self.split_usage])
+                    await asyncio.sleep(0.002)
+                    ev = ev[self.split_usage:]
                 await resp.write(ev)
                 await asyncio.sleep(0.002)  # usage and [DONE] in separate chunks (GIE#1626)
             await resp.write(b"data: [DONE]" + self.eol * 2)

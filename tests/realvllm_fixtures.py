@@ -19,7 +19,9 @@ Fixtures:
 * ``vllm_pair``: two engines at vLLM's default block size (128 on the CPU build), adapters ``a1``
   and ``a2`` loaded, KV events on, ``--enable-prompt-tokens-details``, ``/reset_prefix_cache``
   served (session).
-* ``vllm_bs16``: one engine started with ``--block-size 16`` (session; started on first use).
+* ``vllm_bs32``: one engine started with ``--block-size 32`` (session; started on first use): a
+  block size other than the CPU build's 128 (its attention backend takes multiples of 32 only, so
+  GPU backends' usual 16 cannot run here; the emulator covers 16).
 * ``vllm_engine_factory``: ``make(name, **VLLMEngine kwargs) -> VLLMEngine`` for a test module
   that must kill or restart its engine; engines it made are stopped at the end of the module.
 """
@@ -38,7 +40,7 @@ from real_vllm.engine import (MODEL_NAME, EngineError, TinyModel, VLLMEngine, mi
 
 REQUIRED_ENV = "PHASEWISE_VLLM_REQUIRED"
 MARKER = "realvllm"
-_FIXTURES = frozenset(("vllm_python", "tiny_model", "vllm_pair", "vllm_bs16", "vllm_engine_factory"))
+_FIXTURES = frozenset(("vllm_python", "tiny_model", "vllm_pair", "vllm_bs32", "vllm_engine_factory"))
 _counts = {"ran": 0, "passed": 0, "failed": 0, "skipped": 0}
 _timings: dict[str, float] = {}
 
@@ -125,10 +127,10 @@ def vllm_pair(vllm_python: Path, tiny_model: TinyModel, vllm_logdir: Path) -> It
 
 
 @pytest.fixture(scope="session")
-def vllm_bs16(vllm_python: Path, tiny_model: TinyModel, vllm_logdir: Path) -> Iterator[VLLMEngine]:
-    """One real engine started with ``--block-size 16`` (GPU backends' usual default)."""
-    e = VLLMEngine("vllm-bs16", vllm_python, tiny_model, vllm_logdir, block_size=16)
-    _start("bs16", [e])
+def vllm_bs32(vllm_python: Path, tiny_model: TinyModel, vllm_logdir: Path) -> Iterator[VLLMEngine]:
+    """One real engine started with ``--block-size 32`` (the CPU attention backend's smallest)."""
+    e = VLLMEngine("vllm-bs32", vllm_python, tiny_model, vllm_logdir, block_size=32)
+    _start("bs32", [e])
     yield e
     e.stop()
 

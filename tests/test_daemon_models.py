@@ -13,6 +13,7 @@ import pytest
 
 from daemon_fakes import FakeBackend, sample, start_daemon
 from routerd.daemon.config import Settings
+from routerd.daemon.discovery import DiscoveredEndpoint
 from routerd.daemon.models import parse_models
 from stack_processes import poll_until
 
@@ -979,6 +980,111 @@ def test_an_unknown_100_kb_model_name_is_not_found_with_a_short_message():
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub.Route(router_pb2.RouteRequest(request_id="r", model=name, prompt_tokens=3))
                 assert (e.value.code(), e.value.details()) == (grpc.StatusCode.NOT_FOUND, f"model {want} is not served")
+        finally:
+            await _stop_all(d, (a, b))
+
+    asyncio.run(main())
+
+
+# -- /v1/models keeps the engines' cards (issue 31) ---------------------------------------------
+
+
+def _card(mid: str, max_len, parent=None, root=None) -> dict:
+    """A model card as vLLM 0.32 lists it (``vllm/entrypoints/openai/models/serving.py``)."""
+    return {"id": mid, "object": "model", "created": 1796000000, "owned_by": "vllm", "root": root or f"/models/{mid}",
+            "parent": parent, "max_model_len": max_len,
+            "permission": [{"id": f"modelperm-{mid}", "object": "model_permission", "allow_sampling": True}]}
+
+
+class CardBackend(FakeBackend):
+    """A :class:`FakeBackend` whose ``/v1/models`` lists vLLM's full cards (``cards``)."""
+
+    def __init__(self, name: str, cards: list[dict]) -> None:
+        super().__init__(name, models=[c["id"] for c in cards])
+        self.cards = cards
+
+    async def _models(self, request):
+        from aiohttp import web
+
+        self.models_reads += 1
+        return web.json_response({"object": "list", "data": self.cards})
+
+
+def test_merge_cards_first_card_wins_and_max_model_len_is_the_smallest():
+    from routerd.daemon.models import merge_cards
+
+    a = {"m": _card("m", 4096, root="/a/m"), "l1": _card("l1", None, parent="m")}
+    b = {"m": _card("m", 2048, root="/b/m"), "l1": _card("l1", None, parent="m"), "x": _card("x", 1024)}
+    got = merge_cards(["m", "l1", "x", "configured"], [a, b], created=7)
+    assert got[0] == {**a["m"], "max_model_len": 2048}  # a's card (root /a/m), b's smaller length
+    assert got[1] == a["l1"] and got[1]["max_model_len"] is None  # an adapter's null stays null
+    assert got[2] == b["x"]
+    assert got[3] == {"id": "configured", "object": "model", "created": 7, "owned_by": "phasewise"}
+    assert a["m"]["max_model_len"] == 4096  # the lists are not changed
+    assert merge_cards([], [a], 7) == []
+
+
+def test_parse_model_cards_keeps_every_field():
+    from routerd.daemon.models import parse_model_cards
+
+    cards = [_card("m", 2048), _card("l1", None, parent="m")]
+    assert parse_model_cards(json.dumps({"object": "list", "data": cards}).encode()) == cards
+
+
+def test_v1_models_through_routerd_keeps_the_engines_cards_merged():
+    """Two endpoints list the base model with other max_model_len and one adapter each; routerd's
+    /v1/models has each card as listed (ready endpoint first), the smallest max_model_len, and
+    the official client reads it."""
+    import openai
+
+    async def main():
+        a = await CardBackend("a0", [_card("m", 4096, root="/a/m"),
+                                     _card("l1", None, parent="m", root="/a/l1")]).start()
+        b = await CardBackend("b0", [_card("m", 2048, root="/b/m"),
+                                     _card("l2", None, parent="m", root="/b/l2")]).start()
+        d = await start_daemon([a, b], models=[])
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(base + "/v1/models") as r:
+                    doc = await r.json()
+            by_id = {c["id"]: c for c in doc["data"]}
+            assert doc["object"] == "list" and sorted(by_id) == ["l1", "l2", "m"]
+            assert by_id["m"] == {**a.cards[0], "max_model_len": 2048}
+            assert by_id["l1"] == a.cards[1] and by_id["l2"] == b.cards[1]
+            # a0 no longer ready (by its source): b0, ready, lists first, so its card is the one shown.
+            d.router.set_endpoints([DiscoveredEndpoint("a0", a.url, ready=False), DiscoveredEndpoint("b0", b.url)],
+                                   lists_read=True)
+            client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+            listed = {m.id: m for m in (await client.models.list()).data}
+            await client.close()
+            assert listed["m"].model_extra["root"] == "/b/m" and listed["m"].model_extra["max_model_len"] == 2048
+            assert listed["l1"].model_extra["parent"] == "m" and listed["m"].owned_by == "vllm"
+        finally:
+            await _stop_all(d, (a, b))
+
+    asyncio.run(main())
+
+
+def test_v1_models_with_configured_models_reads_the_cards_from_the_ready_endpoints():
+    """Lists routerd does not read (``endpoints[].models`` configured): a configured model's card is
+    asked of the ready endpoints when /v1/models is served (smallest max_model_len); a configured
+    model no endpoint lists gets routerd's own card; a model an endpoint lists but ``models`` does
+    not name is not shown."""
+    async def main():
+        a = await CardBackend("a0", [_card("m", 4096), _card("hidden", 100)]).start()
+        b = await CardBackend("b0", [_card("m", 1024)]).start()
+        d = await start_daemon([], models=["m", "n"], endpoints=[{"name": "a0", "url": a.url, "models": ["m", "n"]},
+                                                                 {"name": "b0", "url": b.url, "models": ["m"]}])
+        base = f"http://127.0.0.1:{d.http_port}"
+        try:
+            assert a.models_reads == b.models_reads == 0  # configured: no list is read
+            async with aiohttp.ClientSession() as s:
+                async with s.get(base + "/v1/models") as r:
+                    doc = await r.json()
+            assert doc["data"] == [{**a.cards[0], "max_model_len": 1024},
+                                   {"id": "n", "object": "model", "created": int(d.started_at_unix),
+                                    "owned_by": "phasewise"}]
         finally:
             await _stop_all(d, (a, b))
 

@@ -9,8 +9,10 @@ as an invariant over streams of unique prompts.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
+import aiohttp
 import pytest
 
 from conftest import policy_params, toy_profile
@@ -22,7 +24,7 @@ from routerd.errors import ConfigError
 from routerd.daemon.discovery import DiscoveredEndpoint
 from routerd.daemon.endpointslices import endpoints_from_slices
 from routerd.daemon.metrics import Metrics
-from routerd.daemon.prefix import EngineKeyed, PrefixIdentity, build_prefix_identity, kv_events_address
+from routerd.daemon.prefix import EngineKeyed, PrefixIdentity, PrefixInput, build_prefix_identity, kv_events_address
 from routerd.prefix.tokenize import ByteTokenizer
 from routerd.daemon.proxy import prompt_of
 from routerd.daemon.router import Router, build_routing_policy, prefix_indexes
@@ -99,10 +101,11 @@ def test_accepted_kv_event_addresses():
         assert Settings.model_validate({"endpoints": [{"name": "a", "url": "http://h:1", "kv_events": ok}]})
 
 
-def test_block_size_must_match_the_profile():
-    with pytest.raises(ConfigError) as e:
-        Daemon(Settings.model_validate({"prefix": {"block_size": 32}, "profile": "llama2-7b-v100"}))
-    assert str(e.value).startswith("prefix.block_size: 32 differs from the block_size 16 of profile 'llama2-7b-v100'")
+def test_prefix_block_size_is_what_the_engines_are_expected_to_report_not_the_profiles():
+    # Engines report their own block size (vLLM's CPU build: 128); the configured one is only what
+    # is expected of them. Prompts are keyed in the profile's block size, what the policies count in.
+    d = Daemon(Settings.model_validate({"prefix": {"block_size": 128}, "profile": "llama2-7b-v100"}))
+    assert d.prefix.block_size == 16
     assert Daemon(Settings.model_validate({"prefix": {"block_size": 16}})).prefix.block_size == 16
 
 
@@ -189,7 +192,7 @@ def test_precise_mode_with_the_byte_tokenizer_hashes_token_blocks(caplog, tmp_pa
     assert len(said) == 2 and "no tokenizer configured" in said[0] and "nope.json does not exist" in said[1]
 
 
-def test_precise_mode_with_a_model_tokenizer_keys_completions_not_chat(caplog, tmp_path):
+def test_precise_mode_with_a_bare_tokenizer_json_keys_completions_not_chat(caplog, tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers
 
@@ -198,17 +201,27 @@ def test_precise_mode_with_a_model_tokenizer_keys_completions_not_chat(caplog, t
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
-    p = build_prefix_identity(PrefixConfig(mode="precise", tokenizer=str(path)), 4, "toy")
+    p = build_prefix_identity(PrefixConfig(mode="precise", tokenizer=str(path)), 4, "toy", say=False)
     text = "hello world again and " * 8  # 32 words: 8 blocks of 4
     got = p.blocks_for(text)
     want = EngineKeyed(*_fields(token_prefix_blocks(tok.encode(text).ids, 4)))
     assert isinstance(got, EngineKeyed) and got == want and got.num_blocks == 8
+    problems = []
+    p.on_problem = problems.append
+    msgs = [{"role": "user", "content": text}]
     with caplog.at_level(logging.WARNING, logger="routerd.prefix"):
-        chat = p.blocks_for("user: " + text, chat=True)
-        p.blocks_for("user: " + text, chat=True)
-    assert not isinstance(chat, EngineKeyed)  # the chat template is not rendered: approximate
-    assert len(caplog.records) == 1 and "chat requests are matched against the approximate index" in \
-        caplog.records[0].getMessage()
+        chat = p.blocks_for(PrefixInput(messages=msgs, chat_text="user: " + text))
+        p.blocks_for(PrefixInput(messages=msgs, chat_text="user: " + text))
+    # No chat template beside a bare tokenizer.json: chat is matched approximately, said once,
+    # counted every time.
+    assert not isinstance(chat, EngineKeyed) and chat == text_prefix_blocks("user: " + text, 4, chunk_blocks=4)
+    assert problems == ["chat_template", "chat_template"]
+    assert not caplog.records  # said once, when the tokenizer loaded:
+    with caplog.at_level(logging.WARNING, logger="routerd.prefix"):
+        build_prefix_identity(PrefixConfig(mode="precise", tokenizer=str(path)), 4, "toy")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "has no chat template" in said[0] and "prefix.tokenizer" in said[0] and \
+        "chat requests are matched against the approximate index" in said[0]
 
 
 def test_no_events_is_said_only_once_a_request_there_waited_for_them(caplog):
@@ -252,11 +265,14 @@ def test_an_unquoted_yaml_off_is_mode_off(tmp_path):
 def test_what_each_request_form_hashes():
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     # "system: be brief\nuser: hi" is 25 bytes: 7 tokens at 4 bytes each, rounded up.
-    assert prompt_of("chat", {"messages": msgs}) == (7, chat_prompt_text(msgs), chat_prompt_text(msgs))
-    assert prompt_of("completions", {"prompt": "abcdefgh"}) == (2, "abcdefgh", "abcdefgh")
-    assert prompt_of("completions", {"prompt": ["abcd", "efgh"]}) == (2, "abcd\nefgh", "abcd")
-    assert prompt_of("completions", {"prompt": [1, 2, 3]}) == (3, None, [1, 2, 3])
-    assert prompt_of("completions", {"prompt": [[1, 2], [3]]}) == (3, None, [1, 2])
+    body = {"messages": msgs}
+    assert prompt_of("chat", body) == (7, chat_prompt_text(msgs), PrefixInput(
+        messages=msgs, request=body, chat_text=chat_prompt_text(msgs)))
+    assert prompt_of("completions", {"prompt": "abcdefgh"}) == (2, "abcdefgh", PrefixInput("abcdefgh"))
+    assert prompt_of("completions", {"prompt": ["abcd", "efgh"], "model": "m", "cache_salt": "s"}) == \
+        (2, "abcd\nefgh", PrefixInput("abcd", model="m", cache_salt="s"))
+    assert prompt_of("completions", {"prompt": [1, 2, 3], "cache_salt": ""}) == (3, None, PrefixInput([1, 2, 3]))
+    assert prompt_of("completions", {"prompt": [[1, 2], [3]]}) == (3, None, PrefixInput([1, 2]))
 
 
 # -- which policies read a prefix ---------------------------------------------------------
@@ -523,4 +539,219 @@ def test_a_reload_keeps_what_an_unchanged_policy_learned():
             await d.stop()
             for b in backends:
                 await b.stop()
+    asyncio.run(main())
+
+
+# -- precise mode with a model folder: chat templates, salts, other block sizes --------------------
+
+
+def _model_folder(tmp_path):
+    """A word-level tokenizer with a BOS post-processor and a chat template, as a model folder."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, processors
+
+    words = "<s> </s> <|user|> <|assistant|> hello world again and".split()
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = ("{{ bos_token }} {% for m in messages %}<|{{ m.role }}|> {{ m.content }} </s> {% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "chat_template": template}))
+    return tok
+
+
+def test_precise_chat_is_rendered_with_the_folders_template_and_salted(tmp_path):
+    tok = _model_folder(tmp_path)
+    p = build_prefix_identity(PrefixConfig(mode="precise", tokenizer=str(tmp_path)), 4, "toy")
+    assert p.chat_keyed
+    text = "hello world again and " * 4
+    msgs = [{"role": "user", "content": text}]
+    got = p.blocks_for(PrefixInput(messages=msgs, request={}, chat_text="user: " + text))
+    # By hand: <s> <|user|> 16 words </s> <|assistant|>, no second BOS (chat adds no special tokens).
+    ids = tok.encode("<s> <|user|> " + text + " </s> <|assistant|> ", add_special_tokens=False).ids
+    assert ids[:2] == [1, 3] and ids.count(1) == 1 and len(ids) == 20
+    assert isinstance(got, EngineKeyed) and _fields(got) == _fields(token_prefix_blocks(ids, 4))
+    assert got.prompt_tokens == 20  # the whole prompt was tokenized: its exact length
+    # A completions prompt gets the BOS the post-processor adds.
+    comp = p.blocks_for(PrefixInput(text))
+    assert comp.ids.tolist() == tok.encode(text).ids and comp.ids[0] == 1
+    # An adapter's or a salted request's blocks are salted as vLLM salts them; plain ones are not.
+    from routerd.prefix.text import request_extra_keys
+
+    p.lora_of = lambda model: model if model == "a1" else None
+    plain = p.blocks_for(PrefixInput(text, model="base"))
+    assert _fields(plain) == _fields(comp)
+    for model, salt in (("a1", None), (None, "s1"), ("a1", "s1")):
+        b = p.blocks_for(PrefixInput(text, model=model, cache_salt=salt))
+        want = token_prefix_blocks(comp.ids, 4, extra_keys=request_extra_keys(model, salt, comp.num_blocks))
+        assert _fields(b) == _fields(want) and b.extents[0] != plain.extents[0]
+        # Keyed in an engine's block size of 8, with the same salts.
+        assert _fields(b.at(8)) == _fields(token_prefix_blocks(comp.ids, 8, extra_keys=request_extra_keys(
+            model, salt, len(comp.ids) // 8)))
+    # Approximate identities (no tokenizer) never let salted and plain requests meet either.
+    a = PrefixIdentity(PrefixConfig(mode="approximate", chunk_blocks=1), 4)
+    a.lora_of = p.lora_of
+    t = "x" * 64
+    assert a.blocks_for(PrefixInput(t, cache_salt="s1")).extents[0] != a.blocks_for(PrefixInput(t)).extents[0]
+    assert a.blocks_for(PrefixInput(t, model="a1")).extents[0] != a.blocks_for(PrefixInput(t)).extents[0]
+    assert a.blocks_for(PrefixInput(t, model="base")) == a.blocks_for(PrefixInput(t))
+
+
+def test_a_template_that_fails_or_an_image_falls_back_to_the_approximate_index(tmp_path):
+    _model_folder(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('no system messages') if "
+                                                  "messages[0].role == 'system' else messages[0].content }}")
+    p = build_prefix_identity(PrefixConfig(mode="precise", tokenizer=str(tmp_path)), 4, "toy")
+    problems = []
+    p.on_problem = problems.append
+    ok = p.blocks_for(PrefixInput(messages=[{"role": "user", "content": "hello " * 8}], chat_text="x"))
+    assert isinstance(ok, EngineKeyed)
+    bad = p.blocks_for(PrefixInput(messages=[{"role": "system", "content": "s"}], chat_text="system: s" * 30))
+    img = p.blocks_for(PrefixInput(messages=[{"role": "user", "content": [{"type": "image_url"}]}],
+                                   chat_text="user: " * 30))
+    assert not isinstance(bad, EngineKeyed) and not isinstance(img, EngineKeyed)
+    assert bad == text_prefix_blocks("system: s" * 30, 4, chunk_blocks=4)
+    assert problems == ["chat_render", "chat_unsupported"]
+
+
+def test_an_engine_with_another_block_size_answers_in_the_views_blocks():
+    from routerd.daemon.state import EndpointState
+    from routerd.prefix.engine_index import EngineBlockIndex
+    from routerd.prefix.kv_wire import BlockStored, EventBatch
+
+    ep = EndpointState(0, "e", "http://h:1", None, True, toy_profile(block_size=4))
+    idx = EngineBlockIndex(None, stale_after_s=None)
+    ep.engine_index = idx
+    ids = list(range(100, 140))  # 40 tokens: 10 blocks of 4, 5 of 8
+    idx.apply(EventBatch(1.0, [], 0), 0)
+    idx.apply(EventBatch(2.0, [BlockStored([1, 2, 3], None, ids[:24], 8)], 0), 1)  # 3 engine blocks of 8
+    p = PrefixIdentity(PrefixConfig(mode="precise"), 4, ByteTokenizer()).blocks_for(PrefixInput(ids))
+    assert p.num_blocks == 10 and idx.block_size == 8
+    assert ep.engine_cached_blocks(p) == 6  # 24 tokens = 6 blocks of the profile's 4
+    assert ep.engine_match(p) == 24
+    assert ep.engine_cached_blocks(text_prefix_blocks("x" * 80, 4)) is None  # text chunks never match
+
+
+def test_routed_answers_name_the_endpoint_and_the_cached_tokens_and_a_reset_forgets():
+    async def main():
+        backends = [FakeBackend(f"b{i}", default_tokens=2) for i in range(2)]
+        for b in backends:
+            await b.start()
+        d = await start_daemon(backends, policy={"name": "llmd"}, predictor="none",
+                               prefix={"chunk_blocks": 1})
+        try:
+            prompt = "a" * 64 * 10 + " and a question"  # 10 whole blocks of 16 tokens (64 bytes each)
+            async with openai_client(d) as c:
+                first = await c.completions.with_raw_response.create(model="m", prompt=prompt, max_tokens=2)
+                again = await c.completions.with_raw_response.create(model="m", prompt=prompt + "?", max_tokens=2)
+                streamed = await c.completions.with_raw_response.create(model="m", prompt=prompt, max_tokens=2,
+                                                                        stream=True)
+                async for _ in streamed.parse():
+                    pass
+            where = first.headers["x-phasewise-endpoint"]
+            assert where in ("b0", "b1") and first.headers["x-phasewise-cached-tokens"] == "0"
+            # The policy's approximate index believes the 10 blocks cached where the first went.
+            assert again.headers["x-phasewise-endpoint"] == where
+            assert again.headers["x-phasewise-cached-tokens"] == str(10 * 16)
+            assert streamed.headers["x-phasewise-cached-tokens"] == str(10 * 16)
+            # A reset through routerd reaches every endpoint; each that answered 200 is forgotten.
+            backends[1].reset_status = 404  # an engine without VLLM_SERVER_DEV_MODE
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{d.http_port}/reset_prefix_cache") as r:
+                    assert r.status == 502 and await r.json() == {"success": False,
+                                                                  "endpoints": {"b0": 200, "b1": 404}}
+            assert [b.resets for b in backends] == [1, 1]
+            async with openai_client(d) as c:
+                after = await c.completions.with_raw_response.create(model="m", prompt=prompt, max_tokens=2)
+            want = "0" if where == "b0" else str(10 * 16)
+            assert after.headers["x-phasewise-cached-tokens"] == want
+            assert sample(d, "phasewise_prefix_engine_cache_lost_total", endpoint="b0", cause="cleared") == 1
+        finally:
+            await d.stop()
+            for b in backends:
+                await b.stop()
+
+    asyncio.run(main())
+
+
+def test_without_prefix_scoring_only_the_endpoint_is_named():
+    async def main():
+        b = await FakeBackend("solo", default_tokens=2).start()
+        d = await start_daemon([b], policy={"name": "round_robin"}, predictor="none")
+        try:
+            async with openai_client(d) as c:
+                r = await c.completions.with_raw_response.create(model="m", prompt="x" * 200, max_tokens=2)
+            assert r.headers["x-phasewise-endpoint"] == "solo" and "x-phasewise-cached-tokens" not in r.headers
+        finally:
+            await d.stop()
+            await b.stop()
+
+    asyncio.run(main())
+
+
+def test_blocks_dispatched_but_not_yet_reported_count_as_cached_until_their_events_are_due():
+    from routerd.daemon.state import EndpointState
+    from routerd.prefix.engine_index import EngineBlockIndex
+    from routerd.prefix.kv_wire import BlockStored, EventBatch
+
+    now = [100.0]
+    ep = EndpointState(0, "e", "http://h:1", None, True, toy_profile(block_size=4))
+    ep.clock = lambda: now[0]
+    idx = ep.engine_index = EngineBlockIndex(None, stale_after_s=None)
+    idx.apply(EventBatch(1.0, [], 0), 0)  # a fresh engine: exact, empty
+    ids = list(range(1, 33))  # 8 blocks of 4
+    p = PrefixIdentity(PrefixConfig(mode="precise"), 4, ByteTokenizer()).blocks_for(PrefixInput(ids))
+    assert ep.engine_cached_blocks(p) == 0
+    keys = [k for k, _ in p.extents]
+    ep.note_pending(keys[:6])  # a request with the first 6 blocks was dispatched here
+    assert ep.engine_cached_blocks(p) == 6 and ep.engine_match(p) == 24
+    # Its events arrive for 3 blocks (the rest still pending): still 6.
+    idx.apply(EventBatch(2.0, [BlockStored([11, 12, 13], None, ids[:12], 4)], 0), 1)
+    assert ep.engine_cached_blocks(p) == 6
+    # It ended: the pending blocks count only for the grace, then the engine index alone speaks.
+    ep.end_pending(keys[:6])
+    now[0] += EndpointState.PENDING_GRACE_S - 0.1
+    assert ep.engine_cached_blocks(p) == 6
+    now[0] += 0.2
+    assert ep.engine_cached_blocks(p) == 3
+    # A pending run counts only as the continuation of what the engine holds, never past a gap.
+    ep.note_pending(keys[4:8])
+    assert ep.engine_cached_blocks(p) == 3
+    # The bound: the oldest keys go first.
+    ep.note_pending(list(range(10**6, 10**6 + EndpointState.PENDING_MAX_KEYS + 5)))
+    assert len(ep.pending) == EndpointState.PENDING_MAX_KEYS and keys[4] not in ep.pending
+
+
+def test_a_burst_on_one_prefix_stays_on_one_engine_before_its_events_come():
+    """Precise mode, both engine indexes answering (fresh, empty) and no event ever arriving: the
+    requests after the first, sent while it runs, go where it went (its blocks are pending there)
+    instead of being spread on load."""
+    from routerd.prefix.engine_index import EngineBlockIndex
+    from routerd.prefix.kv_wire import EventBatch
+
+    async def main():
+        backends = [FakeBackend(f"b{i}", default_tokens=2, token_s=0.05) for i in range(2)]
+        for b in backends:
+            await b.start()
+        d = await start_daemon(backends, policy={"name": "llmd"}, predictor="none", router={"tie_break_seed": 1},
+                               prefix={"mode": "precise", "tokenizer": "bytes"})
+        try:
+            for ep in d.router.endpoints:
+                ep.engine_index = EngineBlockIndex(None, stale_after_s=None)
+                ep.engine_index.apply(EventBatch(1.0, [], 0), 0)
+                ep.engine_index._learn_block_size(16)
+            prompt = "s" * 64 * 8 + " question"
+            async with openai_client(d) as c:
+                rs = await asyncio.gather(*(c.completions.with_raw_response.create(
+                    model="m", prompt=prompt + str(i), max_tokens=2) for i in range(6)))
+            where = {r.headers["x-phasewise-endpoint"] for r in rs}
+            assert len(where) == 1, where
+            assert sorted(int(r.headers["x-phasewise-cached-tokens"]) for r in rs) == [0] + [8 * 16] * 5
+        finally:
+            await d.stop()
+            for b in backends:
+                await b.stop()
+
     asyncio.run(main())

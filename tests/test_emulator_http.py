@@ -135,13 +135,16 @@ def test_streamed_token_times_follow_the_profile(timed):
             times, texts, usage, finish = [], [], None, []
             for chunk in stream:
                 if chunk.choices:
+                    # An event carries every token produced since the previous one (one filler
+                    # word each): on a loaded machine several, so the time stamps the last.
+                    times.extend([None] * (len(chunk.choices[0].text.split()) - 1))
                     times.append(time.perf_counter() - t0)
                     texts.append(chunk.choices[0].text)
                     finish.append(chunk.choices[0].finish_reason)
                 if chunk.usage is not None:
                     usage = chunk.usage
             assert len(times) == n and all(texts)
-            assert finish == [None] * (n - 1) + ["length"]
+            assert finish == [None] * (len(finish) - 1) + ["length"]
             assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (p, n, p + n)
             runs.append(times)
     # Engine side, exact: the latency histograms hold the simulated times.
@@ -158,7 +161,7 @@ def test_streamed_token_times_follow_the_profile(timed):
     # (issue 19); client-observed TTFT and inter-token gaps are printed by
     # benchmarks/emulator_cpu.py.
     for times in runs:
-        assert all(t >= ttft + sum(gaps[:k]) - 0.002 for k, t in enumerate(times)), (times, ttft, gaps)
+        assert all(t >= ttft + sum(gaps[:k]) - 0.002 for k, t in enumerate(times) if t is not None), (times, ttft, gaps)
 
 
 def test_non_streaming_completion_and_chat_count_tokens_exactly(timed):
@@ -194,7 +197,7 @@ def test_streaming_chat_chunks_are_shaped_like_vllm(timed):
     assert len({ch.id for ch in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
     content = [ch.choices[0].delta.content for ch in chunks[1:] if ch.choices]
-    assert len(content) == 4 and all(content)
+    assert all(content) and len("".join(content).split()) == 4  # one filler word per token
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
     assert chunks[-1].usage.prompt_tokens == count_text_tokens(chat_prompt_text(
@@ -210,9 +213,12 @@ def test_raw_stream_ends_with_done(timed):
     frames = raw.split("\n\n")
     assert frames[-2:] == ["data: [DONE]", ""]
     body = [json.loads(f[len("data: "):]) for f in frames[:-2]]
-    assert len(body) == 2 and "usage" not in body[0]
+    assert sum(len(b["choices"][0]["text"].split()) for b in body) == 2 and "usage" not in body[0]
     assert set(body[0]) == {"id", "object", "created", "model", "choices"}
-    assert set(body[0]["choices"][0]) == {"index", "text", "logprobs", "finish_reason", "stop_reason"}
+    # vLLM 0.32's keys, the token-id ones null unless return_token_ids.
+    assert set(body[0]["choices"][0]) == {"index", "text", "logprobs", "finish_reason", "stop_reason",
+                                          "prompt_token_ids", "token_ids"}
+    assert body[0]["choices"][0]["token_ids"] is None
 
 
 # ---------------------------------------------------------------- metrics
@@ -225,7 +231,7 @@ def test_metrics_show_the_batch_during_load_and_add_up_after(timed):
         stream = await client.completions.create(model="toy-model", prompt="abcd" * p, max_tokens=n, stream=True)
         count = 0
         async for ch in stream:
-            count += len(ch.choices)
+            count += sum(len(c.text.split()) for c in ch.choices)  # one filler word per token
         return count
 
     async def main():
@@ -263,7 +269,8 @@ def test_metrics_show_the_batch_during_load_and_add_up_after(timed):
     lone = prof.prefill_time(p)
     assert delta("vllm:time_to_first_token_seconds_sum") > 2 * lone + 2 * prof.lone_request_time(p, n)
     assert _m(after, "vllm:cache_config_info", block_size="16", cache_dtype="auto", enable_prefix_caching="False",
-              num_gpu_blocks="256") == 1.0
+              num_gpu_blocks="256", kv_cache_size_tokens="4096", num_gpu_blocks_override="None",
+              prefix_caching_hash_algo="sha256") == 1.0
 
 
 def test_preemption_under_a_tiny_kv_cache(tiny_kv):
@@ -317,31 +324,47 @@ def test_client_disconnect_aborts_the_request(timed):
 
 # ---------------------------------------------------------------- errors
 
-@pytest.mark.parametrize("path,body,status,param", [
-    ("/v1/completions", "{not json", 400, None),
-    ("/v1/completions", "[1, 2]", 400, None),
-    ("/v1/completions", '{"max_tokens": 3}', 400, "prompt"),
-    ("/v1/completions", '{"prompt": {"a": 1}}', 400, "prompt"),
-    ("/v1/completions", '{"prompt": ["a", "b"]}', 400, "prompt"),
-    ("/v1/chat/completions", '{"model": "toy-model"}', 400, "messages"),
-    ("/v1/chat/completions", '{"messages": []}', 400, "messages"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": 5}]}', 400, "messages"),
-    ("/v1/completions", '{"prompt": "a", "model": "gpt-4"}', 404, "model"),
-    ("/v1/completions", json.dumps({"prompt": "abcd" * 512}), 400, "prompt"),  # 512 >= max_model_len
-    ("/v1/completions", json.dumps({"prompt": "abcd" * 500, "max_tokens": 13}), 400, "max_tokens"),
-    ("/v1/completions", '{"prompt": "a", "max_tokens": 0}', 400, "max_tokens"),
-    ("/v1/completions", '{"prompt": "a", "max_tokens": "ten"}', 400, "max_tokens"),
-    ("/v1/completions", '{"prompt": "a", "n": 2}', 400, "n"),
-    ("/v1/completions", '{"prompt": "a", "stream": "yes"}', 400, "stream"),
-    ("/v1/completions", '{"prompt": "a", "stream_options": {"include_usage": true}}', 400, "stream_options"),
-    ("/v1/nope", "{}", 404, None),
+# What vLLM 0.32 answers (tests/conformance/test_errors.py checks the cases both servers share
+# against a real one): its own checks as BadRequestError / NotFoundError naming the field, a body
+# that does not parse or a field of the wrong type as FastAPI's "Bad Request" naming body.<field>.
+# n > 1 and several prompts are the emulator's own refusals (vLLM serves them).
+@pytest.mark.parametrize("path,body,status,type_,param", [
+    ("/v1/completions", "{not json", 400, "Bad Request", "body.1"),
+    ("/v1/completions", "[1, 2]", 400, "Bad Request", "body"),
+    ("/v1/completions", '{"max_tokens": 3}', 400, "BadRequestError", "prompt"),
+    ("/v1/completions", '{"prompt": {"a": 1}}', 400, "Bad Request", "body.prompt"),
+    ("/v1/completions", '{"prompt": ["a", "b"]}', 400, "BadRequestError", "prompt"),
+    ("/v1/chat/completions", '{"model": "toy-model"}', 400, "Bad Request", "body.messages"),
+    ("/v1/chat/completions", '{"messages": []}', 400, "BadRequestError", None),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": 5}]}', 400, "Bad Request", "body.messages"),
+    ("/v1/completions", '{"prompt": "a", "model": "gpt-4"}', 404, "NotFoundError", "model"),
+    ("/v1/completions", json.dumps({"prompt": "abcd" * 513}), 400, "BadRequestError", "input_tokens"),  # > 512
+    ("/v1/completions", json.dumps({"prompt": "abcd" * 512}), 400, "BadRequestError", "max_tokens"),  # none left
+    ("/v1/completions", '{"prompt": "a", "max_tokens": 0}', 400, "BadRequestError", "max_tokens"),
+    ("/v1/completions", '{"prompt": "a", "max_tokens": "ten"}', 400, "Bad Request", "body.max_tokens"),
+    ("/v1/completions", '{"prompt": "a", "n": 2}', 400, "BadRequestError", "n"),
+    ("/v1/completions", '{"prompt": "a", "stream": "x"}', 400, "Bad Request", "body.stream"),
+    ("/v1/completions", '{"prompt": "a", "stream_options": {"include_usage": true}}', 400, "BadRequestError",
+     "stream_options"),
+    ("/v1/completions", '{"prompt": "a", "stream": true, "stream_options": {"include_usage": "x"}}', 400,
+     "Bad Request", "body.stream_options.include_usage"),
+    ("/v1/completions", '{"prompt": "a", "cache_salt": "a/b"}', 400, "BadRequestError", "cache_salt"),
+    ("/v1/completions", '{"prompt": "a", "return_token_ids": "x"}', 400, "Bad Request", "body.return_token_ids"),
 ])
-def test_bad_requests_get_openai_error_bodies(timed, path, body, status, param):
+def test_bad_requests_get_openai_error_bodies(timed, path, body, status, type_, param):
     code, err = _post(timed, path, body)
     assert code == status
     assert set(err) == {"error"} and set(err["error"]) == {"message", "type", "param", "code"}
-    assert err["error"]["code"] == status and err["error"]["param"] == param and err["error"]["message"]
-    assert err["error"]["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status]
+    assert (err["error"]["code"], err["error"]["type"], err["error"]["param"]) == (status, type_, param)
+    assert err["error"]["message"]
+
+
+def test_max_tokens_past_the_context_is_cut_and_lax_values_parse(timed):
+    # vLLM cuts max_tokens to the context left (get_max_tokens) and parses as pydantic's lax mode.
+    for body, want in (({"prompt": "abcd" * 500, "max_tokens": 13}, 12), ({"prompt": "a", "max_tokens": "3"}, 3),
+                       ({"prompt": "a", "max_tokens": 2.0, "stream": "false"}, 2)):
+        code, out = _post(timed, "/v1/completions", json.dumps(body))
+        assert code == 200 and out["usage"]["completion_tokens"] == want, out
 
 
 def test_errors_through_the_openai_client_and_nothing_leaks(timed):
@@ -351,7 +374,7 @@ def test_errors_through_the_openai_client_and_nothing_leaks(timed):
         with pytest.raises(openai.BadRequestError, match="maximum context length is 512"):
             client.completions.create(model="toy-model", prompt="abcd" * 600)
     code, err = _post(timed, "/v1/completions", b"", method="GET")
-    assert code == 405 and err["error"]["code"] == 405
+    assert (code, err) == (405, {"detail": "Method Not Allowed"})  # Starlette's body, as vLLM's server
     m = _wait_idle(timed)
     assert _m(m, "vllm:num_requests_running") == 0 and _m(m, "vllm:kv_cache_usage_perc") == 0.0
     with urllib.request.urlopen(timed.url + "/health", timeout=5) as r:
@@ -371,6 +394,8 @@ def test_fixed_timing_holds_under_concurrency():
             times = []
             async for ch in stream:
                 if ch.choices and ch.choices[0].delta.content:
+                    # Several tokens (filler words) per event when the loop was late: time the last.
+                    times.extend([None] * (len(ch.choices[0].delta.content.split()) - 1))
                     times.append(time.perf_counter())
             return sent, times
 
@@ -384,7 +409,7 @@ def test_fixed_timing_holds_under_concurrency():
         m = _wait_idle(emu)
     assert all(len(t) == n for _, t in results)
     # Never early (uvloop timers may fire 0.5 ms ahead): token j at or after send + TTFT + j * TPOT.
-    assert all(t - sent >= ttft + j * tpot - 0.002 for sent, ts in results for j, t in enumerate(ts))
+    assert all(t - sent >= ttft + j * tpot - 0.002 for sent, ts in results for j, t in enumerate(ts) if t is not None)
     # Client-side TTFT and pacing carry the client's own scheduling delay: no wall-clock
     # bounds on them here (issue 19); benchmarks/emulator_cpu.py prints their p50 against
     # the configured fixed timing. The exact engine-side values are the histogram sums below.
@@ -440,4 +465,6 @@ def test_http_1_0_client_gets_an_unchunked_stream(timed):
     head, _, payload = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
     frames = payload.decode().split("\n\n")
-    assert frames[-2:] == ["data: [DONE]", ""] and len(frames) == 3 + 2
+    assert frames[-2:] == ["data: [DONE]", ""]
+    texts = [json.loads(f.removeprefix("data: "))["choices"][0]["text"] for f in frames[:-2]]
+    assert len("".join(texts).split()) == 3 and 1 <= len(texts) <= 3

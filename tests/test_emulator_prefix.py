@@ -247,7 +247,11 @@ def test_token_id_prompts_are_used_as_given(emu, sub):
     assert _stored_keys(sub, evs) == [h for h, _ in token_prefix_blocks(ids, BS).extents]
     assert evs[0].token_ids == ids[:32]
     status, body = _post(emu.url + "/v1/completions", {"model": "toy", "prompt": [1, -2], "max_tokens": 1})
-    assert status == 400 and b"token ids must lie in 0 .. 4294967295" in body
+    # vLLM's answer to a negative id: pydantic's ge=0 check on body.prompt.<i>.
+    err = json.loads(body)["error"]
+    assert status == 400 and (err["type"], err["param"]) == ("Bad Request", "body.prompt.1")
+    status, body = _post(emu.url + "/v1/completions", {"model": "toy", "prompt": [1, 1 << 32], "max_tokens": 1})
+    assert status == 400 and json.loads(body)["error"]["message"] == f"Token id {1 << 32} is out of vocabulary"
 
 
 # ---------------------------------------------------------------- eviction and reset

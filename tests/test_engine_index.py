@@ -433,3 +433,74 @@ def test_awaiting_for_runs_from_the_first_dispatch_that_expects_events():
     assert idx.awaiting_for == 4.5
     idx.apply(EventBatch(1.0, [], 0), 0)  # a batch came
     assert idx.awaiting_for is None
+
+
+# --- the engine's block size, extra keys and losses (real vLLM: tests/realvllm/) -------------------
+
+
+def test_the_engines_block_size_is_learnt_from_its_events_and_said_when_unexpected():
+    said = []
+    f = Feed(on_block_size=lambda want, got: said.append((want, got)))
+    f.idx.block_size = f.idx.expected_block_size = 16  # configured 16; the engine caches blocks of 4
+    f.send()
+    f.send(stored([101, 102], None, A, B))
+    assert said == [(16, 4)] and f.idx.block_size == 4 and f.idx.reported_block_size == 4
+    assert f.idx.cached_blocks(req(A, B, C)) == 2 and f.idx.dropped_blocks["block_size"] == 0
+    # An engine cannot change its block size while it runs: another size now is dropped, counted.
+    f.send(BlockStored([103], None, [1, 2, 3, 4, 5, 6, 7, 8], 8))
+    assert f.idx.dropped_blocks["block_size"] == 1 and f.idx.block_size == 4 and said == [(16, 4)]
+    # A restarted engine (seq 0) may come back with another size: learnt again, said again.
+    f.send(seq=0)
+    f.send(BlockStored([201], None, A + B, 8))
+    assert said == [(16, 4), (16, 8)] and f.idx.block_size == 8
+    assert f.idx.cached_blocks(token_prefix_blocks(A + B + C, 8)) == 1
+
+
+def test_without_an_expected_size_the_first_event_sets_it():
+    said = []
+    idx = EngineBlockIndex(None, stale_after_s=None, on_block_size=lambda want, got: said.append((want, got)))
+    assert idx.block_size is None and idx.stale_reason == "no_events"
+    idx.apply(EventBatch(1.0, [stored([1, 2], None, A, B)], 0), 0)
+    assert said == [(None, 4)] and idx.cached_blocks(req(A, B)) == 2
+
+
+def test_extra_keys_match_requests_with_the_same_adapter_and_salt_only():
+    from routerd.prefix.text import request_extra_keys
+
+    f = fresh()
+    # What vLLM 0.32 sent for adapter a1 with cache_salt s1: the salt in block 0 only, after the name.
+    f.send(stored([101, 102, 103], None, A, B, C, lora_name="a1", lora_id=1,
+                  extra_keys=[["a1", "s1"], ["a1"], ["a1"]]))
+    toks = A + B + C + D
+
+    def keyed(lora, salt):
+        return token_prefix_blocks(toks, BS, extra_keys=request_extra_keys(lora, salt, 4))
+
+    assert f.idx.cached_blocks(keyed("a1", "s1")) == 3
+    assert f.idx.cached_blocks(keyed("a1", None)) == 0
+    assert f.idx.cached_blocks(keyed(None, "s1")) == 0
+    assert f.idx.cached_blocks(keyed(None, None)) == 0
+    assert f.idx.cached_blocks(keyed("a2", "s1")) == 0
+    # Continued by a later request of the same adapter and salt (no extra key in the new block's
+    # salt position 0, but the adapter's name): found whole.
+    f.send(stored([104], 103, D, lora_name="a1", lora_id=1, extra_keys=[["a1"]]))
+    assert f.idx.cached_blocks(keyed("a1", "s1")) == 4
+    # A vLLM that sends the adapter's name but no extra_keys: the name salts every block.
+    g = fresh()
+    g.send(stored([201, 202], None, A, B, lora_name="a1"))
+    assert g.idx.cached_blocks(token_prefix_blocks(A + B, BS, extra_keys=request_extra_keys("a1", None, 2))) == 2
+    assert g.idx.cached_blocks(req(A, B)) == 0
+
+
+def test_on_loss_is_called_when_the_engine_itself_lost_its_blocks():
+    losses = []
+    f = Feed(on_loss=losses.append)
+    f.send()  # seq 0: a fresh engine (an empty cache: whatever others believed of it is gone)
+    f.send(stored([101], None, A))
+    f.send(AllBlocksCleared())
+    f.send(seq=5)  # a gap: batches lost, the engine still holds its blocks
+    f.send(seq=2)  # seq went back, not to 0: another process
+    f.idx.record_malformed(9)
+    f.idx.engine_down()
+    f.idx.engine_down("disconnected")
+    assert losses == ["fresh_start", "cleared", "restart", "engine_down", "disconnected"]

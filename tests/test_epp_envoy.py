@@ -137,27 +137,40 @@ def test_openai_client_through_envoy_and_picker(gateway):
         chat = await client.chat.completions.create(model="m", max_tokens=9,
                                                     messages=[{"role": "user", "content": "Hello"}])
         assert chat.usage.completion_tokens == 9 and chat.choices[0].finish_reason == "length"
-        # Streaming completion and chat, 16 of them at once.
+        # Streaming completion and chat, 16 of them at once, half asking for the usage event.
 
-        async def one(i: int) -> int:
+        async def one(i: int) -> tuple[int, int]:
+            """(tokens, picker's count): the emulator's text is one filler word per token, and one
+            event may carry several (``phasewise emulate`` coalesces tokens as vLLM does)."""
+            n, asked = 20 + i, i % 4 < 2
+            kw = {"model": "m", "max_tokens": n, "stream": True}
+            if asked:
+                kw["stream_options"] = {"include_usage": True}
             if i % 2:
-                parts = [ch.choices[0].delta.content or "" async for ch in await client.chat.completions.create(
-                    model="m", max_tokens=20 + i, stream=True, messages=[{"role": "user", "content": f"q{i}"}])
-                    if ch.choices]
+                chunks = [ch async for ch in await client.chat.completions.create(
+                    messages=[{"role": "user", "content": f"q{i}"}], **kw)]
+                parts = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
             else:
-                parts = [ch.choices[0].text async for ch in await client.completions.create(
-                    model="m", prompt=f"p{i}", max_tokens=20 + i, stream=True)]
-            assert len([p for p in parts if p]) == 20 + i
-            return 20 + i
-        n = await asyncio.gather(*(one(i) for i in range(16)))
+                chunks = [ch async for ch in await client.completions.create(prompt=f"p{i}", **kw)]
+                parts = [ch.choices[0].text for ch in chunks if ch.choices]
+            assert len("".join(parts).split()) == n
+            # The usage event only for a client that asked (full-duplex mode asked for it and took it out).
+            assert [ch.usage.completion_tokens for ch in chunks if ch.usage is not None] == ([n] if asked else [])
+            if asked or g["mode"] == "full-duplex":
+                return n, n
+            # Efficient mode counts the events of a stream without a usage event: each carries one
+            # token or more (a chat stream's role chunk, without text, is not counted).
+            return n, len([p for p in parts if p])
+        streamed = await asyncio.gather(*(one(i) for i in range(16)))
         await client.close()
         await direct.close()
-        return 12 + 9 + sum(n), 12  # tokens through Envoy, direct
-    through, direct_tokens = asyncio.run(main())
+        # Tokens through Envoy, direct, and the picker's count.
+        return 12 + 9 + sum(t for t, _ in streamed), 12, 12 + 9 + sum(c for _, c in streamed)
+    through, direct_tokens, counted = asyncio.run(main())
     after = _picker_idle(g)
     picked = (metric_sum(after, "phasewise_generation_tokens_total")
               - metric_sum(before, "phasewise_generation_tokens_total"))
-    assert picked == through
+    assert picked == counted
     assert _emulated_tokens(urls) - before_tokens == through + direct_tokens
     assert metric_sum(after, "phasewise_requests_total", code="200") - \
         metric_sum(before, "phasewise_requests_total", code="200") == 18
@@ -165,17 +178,36 @@ def test_openai_client_through_envoy_and_picker(gateway):
     assert all(v > 0 for v in [metric_sum(after, "phasewise_decisions_total", endpoint=f"emu{i}") for i in (0, 1)])
 
 
-def test_streamed_bytes_equal_a_direct_call(gateway):
+def _sse_text(stream: bytes) -> tuple[str, list[dict]]:
+    """(the completion text of an SSE stream, its data objects) of a stream ending in ``[DONE]``."""
+    events = [e for e in stream.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and all(e.startswith(b"data: ") for e in events)
+    objs = [json.loads(e[6:]) for e in events[:-1]]
+    return "".join(c["text"] for o in objs for c in o["choices"]), objs
+
+
+def test_streamed_text_equals_a_direct_call(gateway):
+    """The same text as each emulator sends directly (its filler depends on its seed and the token's
+    place only), 40 words for 40 tokens, however the events split it, and no usage event (the client
+    asked for none)."""
     g = gateway
     body = json.dumps({"model": "m", "prompt": "same prompt", "max_tokens": 40, "stream": True}).encode()
-    url0 = g["emulators"]["urls"][0]
-    st, _, direct = http_post(url0 + "/v1/completions", body)
-    assert st == 200
+    direct = {}
+    for i, url in enumerate(g["emulators"]["urls"]):
+        st, _, got = http_post(url + "/v1/completions", body)
+        assert st == 200
+        direct[f"emu{i}"] = _sse_text(got)[0]
+    assert direct["emu0"] != direct["emu1"]  # seeds 0 and 1
+    served = set()
     for _ in range(2):  # one of two goes to each emulator
         st, headers, through = http_post(g["base"] + "/completions", body)
         assert st == 200 and headers["content-type"].startswith("text/event-stream")
-        assert len(through) == len(direct) and through.count(b"\n\n") == 41
-        assert through.endswith(b"data: [DONE]\n\n")
+        text, objs = _sse_text(through)
+        name = headers["x-phasewise-endpoint"]
+        assert text == direct[name] and len(text.split()) == 40
+        assert all(o["choices"] and "usage" not in o for o in objs)
+        served.add(name)
+    assert served == {"emu0", "emu1"}
     _picker_idle(g)
 
 

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from daemon_fakes import in_flight_samples, sample  # noqa: E402
 from routerd.daemon.discovery import DiscoveredEndpoint  # noqa: E402
+from routerd.daemon.proxy import with_usage  # noqa: E402
 from routerd.epp.server import EppServer  # noqa: E402
 
 ENDPOINTS = [{"name": "e0", "url": "http://127.0.0.1:9"}, {"name": "e1", "url": "http://127.0.0.2:10"},
@@ -104,8 +105,22 @@ async def send_request(call, body: bytes, path: str = "/v1/completions", subset=
         await call.write(body_msg(body[i:i + step], eos=i + step >= len(body)))
 
 
-async def read_decision(call, body: bytes) -> tuple[pb.ProcessingResponse, bytes]:
-    """The HeadersResponse, and the body the BodyResponses carry back (asserting their shape)."""
+def sent_on(body: bytes) -> bytes:
+    """The body a full-duplex picker sends on for ``body``: with ``stream_options.include_usage``
+    when it is a stream whose client did not ask for the usage event (routerd's proxy does the same,
+    ``routerd.daemon.proxy.with_usage``)."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(payload, dict) or payload.get("stream") is not True:
+        return body
+    return with_usage(body, payload) or body
+
+
+async def read_decision(call, body: bytes, efficient: bool = False) -> tuple[pb.ProcessingResponse, bytes]:
+    """The HeadersResponse, and the body the BodyResponses carry back (asserting their shape): the
+    client's own in efficient mode, else :func:`sent_on`'s."""
     first = await call.read()
     assert first.WhichOneof("response") == "request_headers"
     echoed = b""
@@ -116,7 +131,7 @@ async def read_decision(call, body: bytes) -> tuple[pb.ProcessingResponse, bytes
         echoed += sr.body
         if sr.end_of_stream:
             break
-    assert echoed == body
+    assert echoed == (body if efficient else sent_on(body))
     return first, echoed
 
 
@@ -126,28 +141,32 @@ def test_message_order_destination_metadata_fallbacks_and_response_echo():
             body = completion()
             call = p.stub.Process()
             await send_request(call, body, chunks=3)
-            first, _ = await read_decision(call, body)
+            first, echoed = await read_decision(call, body)
             hs = set_headers(first)
             dest = hs["x-gateway-destination-endpoint"].split(",")
             # Round robin: the first decision goes to e0; fallbacks are the two others.
             assert dest[0] == ADDR["e0"] and sorted(dest[1:]) == sorted([ADDR["e1"], ADDR["e2"]])
-            assert hs["content-length"] == str(len(body)) and "transfer-encoding" not in hs
+            assert b'"stream_options":{"include_usage":true}' in echoed
+            assert hs["content-length"] == str(len(echoed)) and "transfer-encoding" not in hs
             assert hs["x-phasewise-request-id"]
             assert first.request_headers.response.clear_route_cache
             md = first.dynamic_metadata.fields["envoy.lb"].struct_value.fields
             assert md["x-gateway-destination-endpoint"].string_value == hs["x-gateway-destination-endpoint"]
             assert in_flight_samples(p.d)["e0"] == 1
-            # Response: headers, 3 token events, [DONE]; each chunk comes back unchanged.
+            # Response: headers, 3 token events, [DONE]. The picker asked for the usage event (none
+            # comes here): it echoes whole events, an event split across chunks with the chunk that ends it.
             await call.write(pb.ProcessingRequest(response_headers=headers(
                 {":status": "200", "content-type": "text/event-stream"})))
             assert (await call.read()).WhichOneof("response") == "response_headers"
             chunks = [b'data: {"choices":[{"text":"a"}]}\n', b'\ndata: {"choices":[{"text":"b"}]}\n\ndata: {"cho',
                       b'ices":[{"text":"c"}]}\n\n', b"data: [DONE]\n\n"]
+            echoes = [b"", b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choices":[{"text":"b"}]}\n\n',
+                      b'data: {"choices":[{"text":"c"}]}\n\n', b"data: [DONE]\n\n"]
             for i, c in enumerate(chunks):
                 await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=c, end_of_stream=i == 3)))
                 r = await call.read()
                 sr = r.response_body.response.body_mutation.streamed_response
-                assert (sr.body, sr.end_of_stream) == (c, i == 3)
+                assert (sr.body, sr.end_of_stream) == (echoes[i], i == 3)
             await call.write(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
             assert (await call.read()).WhichOneof("response") == "response_trailers"
             await call.done_writing()
@@ -384,7 +403,7 @@ def test_efficient_mode_completes_on_the_access_log_entry():
             for _ in range(3):
                 call = p.stub.Process()
                 await send_request(call, body)
-                first, _ = await read_decision(call, body)
+                first, _ = await read_decision(call, body, efficient=True)
                 rids.append(set_headers(first)["x-phasewise-request-id"])
                 await call.done_writing()  # Envoy ends the stream after the request phase
                 assert await call.read() == grpc.aio.EOF
@@ -439,7 +458,7 @@ def test_efficient_mode_counts_an_upstream_that_died_mid_stream_as_502_stream_er
             for _ in range(2):
                 call = p.stub.Process()
                 await send_request(call, body, subset=[ADDR["e1"]])
-                first, _ = await read_decision(call, body)
+                first, _ = await read_decision(call, body, efficient=True)
                 rids.append(set_headers(first)["x-phasewise-request-id"])
                 await call.done_writing()
                 assert await call.read() == grpc.aio.EOF

@@ -208,7 +208,7 @@ _GOOD_STORED = ["BlockStored", [1], None, [1] * 16, 16, None, "GPU", None]
     (msgpack.packb([1.0, {"a": 1}]), "batch events must be an array, got dict"),
     (msgpack.packb([1.0, [], "zero"]), "data_parallel_rank must be int or nil, got str"),
     (_ev(), "event 0: empty event array"),
-    (_ev("BlockMoved", [1]), "event 0: unknown event tag 'BlockMoved'"),
+    (_ev("BlockMoved", [1]), "event 0: unknown event type 'BlockMoved' (field 'type')"),
     (_ev(7, [1]), "event tag must be a string, got int"),
     (msgpack.packb([1.0, [5]]), "event 0: an event must be an array or a map, got int"),
     (_ev("BlockStored", [1], None, [1] * 16), "BlockStored needs at least 4 field(s), got 3"),
@@ -229,7 +229,7 @@ _GOOD_STORED = ["BlockStored", [1], None, [1] * 16, 16, None, "GPU", None]
     (msgpack.packb([1.0, [{"block_hashes": [1]}]]), "event map has no 'type' tag"),
     (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1]}]]),
      "BlockStored lacks field(s) parent_block_hash, block_size"),
-    (msgpack.packb([1.0, [{"type": "Nope"}]]), "unknown event tag 'Nope'"),
+    (msgpack.packb([1.0, [{"type": "Nope"}]]), "unknown event type 'Nope' (field 'type')"),
 ])
 def test_malformed_payloads_raise_a_named_error(payload, needle):
     with pytest.raises(KVEventError) as e:

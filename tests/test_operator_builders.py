@@ -77,8 +77,10 @@ def test_vllm_engine_deployment():
     vllm = _container(dep, "vllm")
     assert vllm["image"] == "example/vllm:2"
     assert vllm["command"] == ["vllm", "serve"]
+    # The user's args, then the operator's own: the cached-token counts routerd is compared
+    # against, and no --block-size (the engine keeps its backend's default).
     assert vllm["args"] == ["meta-llama/Llama-2-7b-hf", "--served-model-name", "llama-2-7b", "--host", "0.0.0.0",
-                            "--port", "8000", "--max-model-len", "4096"]
+                            "--port", "8000", "--max-model-len", "4096", "--enable-prompt-tokens-details"]
     assert vllm["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert vllm["resources"] == {"limits": {"nvidia.com/gpu": 1}}
     env = {e["name"]: e for e in vllm["env"]}
@@ -485,9 +487,9 @@ def test_group_overrides_reach_the_containers():
     llama, h100, code = (kids[("Deployment", f"chat-engine-{g}")] for g in ("llama", "llama-h100", "code"))
     a, b, c = (_container(d, "vllm") for d in (llama, h100, code))
     assert a["args"] == ["meta-llama/Llama-2-7b-hf", "--served-model-name", "llama-2-7b", "--host", "0.0.0.0",
-                         "--port", "8000", "--max-model-len", "4096"]
+                         "--port", "8000", "--max-model-len", "4096", "--enable-prompt-tokens-details"]
     assert b["args"] == ["meta-llama/Llama-2-7b-hf", "--served-model-name", "llama-2-7b", "--host", "0.0.0.0",
-                         "--port", "8000"]  # args: [] replaces the engine's
+                         "--port", "8000", "--enable-prompt-tokens-details"]  # args: [] replaces the engine's
     assert c["args"][:3] == ["codellama/CodeLlama-7b-hf", "--served-model-name", "codellama/CodeLlama-7b-hf"]
     assert (a["resources"], b["resources"]) == ({"limits": {"nvidia.com/gpu": 1}}, {"limits": {"nvidia.com/gpu": 2}})
     pods = [d["spec"]["template"]["spec"] for d in (llama, h100, code)]
@@ -624,10 +626,15 @@ def test_precise_prefix_makes_vllm_publish_kv_events_on_a_named_port():
     kids = _children(_with_prefix(GPU_SPEC, PRECISE))
     vllm = _container(kids[("Deployment", "chat-engine")], "vllm")
     assert vllm["args"] == ["meta-llama/Llama-2-7b-hf", "--served-model-name", "llama-2-7b", "--host", "0.0.0.0",
-                            "--port", "8000", "--kv-events-config", VLLM_KV_CONFIG, "--max-model-len", "4096"]
+                            "--port", "8000", "--max-model-len", "4096", "--enable-prompt-tokens-details",
+                            "--kv-events-config", VLLM_KV_CONFIG]
     # vLLM's KVEventsConfig field names (vllm/config/kv_events.py), publishing on every address
-    assert json.loads(vllm["args"][8]) == {"enable_kv_cache_events": True, "publisher": "zmq",
-                                           "endpoint": "tcp://*:5600", "topic": "kv"}
+    assert json.loads(vllm["args"][-1]) == {"enable_kv_cache_events": True, "publisher": "zmq",
+                                            "endpoint": "tcp://*:5600", "topic": "kv"}
+    # ... on the port and topic routerd is told to read
+    s = _settings_dict(_with_prefix(GPU_SPEC, PRECISE))
+    assert "tcp://*:%d" % s["prefix"]["kv_events"]["port"] == json.loads(vllm["args"][-1])["endpoint"]
+    assert s["prefix"]["kv_events"]["topic"] == json.loads(vllm["args"][-1])["topic"]
     assert vllm["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
                              {"name": "kv-events", "containerPort": 5600, "protocol": "TCP"}]
     svc = kids[("Service", "chat-engine")]
@@ -653,8 +660,9 @@ def test_precise_prefix_renders_routerd_prefix_settings_by_its_names():
 def test_precise_prefix_defaults_are_vllms_port_and_topic():
     kids = _children(_with_prefix(GPU_SPEC, {"mode": "precise"}))
     vllm = _container(kids[("Deployment", "chat-engine")], "vllm")
-    assert vllm["args"][7:11] == ["--kv-events-config", '{"enable_kv_cache_events":true,"publisher":"zmq",'
-                                  '"endpoint":"tcp://*:5557","topic":""}', "--max-model-len", "4096"]
+    assert vllm["args"][7:] == ["--max-model-len", "4096", "--enable-prompt-tokens-details", "--kv-events-config",
+                                '{"enable_kv_cache_events":true,"publisher":"zmq",'
+                                '"endpoint":"tcp://*:5557","topic":""}']
     assert vllm["ports"][1] == {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"}
     assert kids[("Service", "chat-engine")]["spec"]["ports"][2]["port"] == 5557
     # routerd is told the same port and topic, and nothing else it was not given.
@@ -729,10 +737,10 @@ def test_prefix_changes_reload_routerd_unless_they_move_the_kv_events_port_name(
      "port 5557"),
     ({**_with_prefix(GPU_SPEC, {"mode": "precise"}),
       "engine": {**GPU_SPEC["engine"], "args": ["--kv-events-config", "{}"]}}, "spec.engine.args",
-     "--kv-events-config is set by the operator"),
+     "enable_kv_cache_events must be true"),
     ({**_with_prefix(GROUPS_SPEC, {"mode": "precise"}),
       "engineGroups": [{**GROUPS_SPEC["engineGroups"][0], "args": ["--kv-events-config={}"]}]},
-     "spec.engineGroups[0].args", "--kv-events-config is set by the operator"),
+     "spec.engineGroups[0].args", "enable_kv_cache_events must be true"),
 ], ids=["kv-port-is-engine-port", "kv-default-is-sidecar-port", "own-kv-events-config", "group-kv-events-config"])
 def test_precise_prefix_checks_name_the_field(spec, field, words):
     with pytest.raises(SpecError) as e:
@@ -740,6 +748,107 @@ def test_precise_prefix_checks_name_the_field(spec, field, words):
     assert e.value.field == field and words in e.value.message
     # Without precise these are fine: nothing publishes KV events.
     check_pool(parse_pool_spec(_with_prefix(spec, {"mode": "approximate", "kvEvents": {"port": 8000}})))
+
+
+def _gpu_args(args: list[str], prefix: dict | None = None) -> dict:
+    s = _with_prefix(GPU_SPEC, prefix)
+    s["engine"] = {**s["engine"], "args": args}
+    return s
+
+
+def test_flag_uses_reads_every_spelling_vllms_parser_does():
+    from phasewise_operator.spec import flag_uses
+
+    args = ["--kv-events-config", "{}", "--kv_events_config={}", "--kv-events-config.topic", "t",
+            "--kv_events_config.endpoint=tcp://*:1", "--no-kv-events-config", "--kv-events-configs", "x",
+            "--kv-events", "--max-model-len", "--kv-events-config"]
+    assert flag_uses(args, "--kv-events-config") == [(0, "bare"), (2, "inline"), (3, "dotted"), (5, "dotted"),
+                                                     (6, "negated"), (11, "bare")]
+    # A value is not a flag, whatever it contains.
+    assert flag_uses(["--chat-template", "x --port 1"], "--port") == []
+    assert flag_uses(["--no_enable_prompt_tokens_details"], "--enable-prompt-tokens-details") == [(0, "negated")]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--kv-events-config", '{"enable_kv_cache_events":true,"endpoint":"tcp://*:5600"}'],
+     "endpoint 'tcp://*:5600' must be 'tcp://*:5557'"),
+    # 0.0.0.0 has no wildcard: vLLM's publisher would connect instead of binding.
+    (["--kv-events-config", '{"enable_kv_cache_events":true,"endpoint":"tcp://0.0.0.0:5557"}'],
+     "endpoint 'tcp://0.0.0.0:5557' must be 'tcp://*:5557'"),
+    (["--kv-events-config", '{"enable_kv_cache_events":true,"topic":"kv"}'], "topic 'kv' must be ''"),
+    (["--kv-events-config", '{"enable_kv_cache_events":true,"publisher":"null"}'], "publisher must be zmq"),
+    (["--kv_events_config", '{"enable_kv_cache_events":false}'], "enable_kv_cache_events must be true"),
+    (["--kv-events-config", "nope"], "--kv-events-config needs a JSON object, got 'nope'"),
+    (["--kv-events-config"], "--kv-events-config needs a JSON object, got None"),
+    (["--kv-events-config", "[]"], "needs a JSON object"),
+    # Dotted keys replace the whole JSON value in vLLM's parser (events would be off): refused.
+    (["--kv-events-config.topic", ""], "give --kv-events-config once, as one JSON object"),
+    (["--kv-events-config", '{"enable_kv_cache_events":true}', "--kv-events-config.hwm", "10"],
+     "give --kv-events-config once"),
+    (["--kv-events-config={}", "--kv-events-config={}"], "give --kv-events-config once"),
+], ids=["other-port", "connects", "topic", "publisher", "events-off", "not-json", "no-value", "json-list", "dotted",
+        "json-and-dotted", "twice"])
+def test_own_kv_events_config_must_agree_with_routerd(args, words):
+    with pytest.raises(SpecError) as e:
+        check_pool(parse_pool_spec(_gpu_args(args, {"mode": "precise"})))
+    assert e.value.field == "spec.engine.args" and words in e.value.message, e.value.message
+    assert '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","topic":""}' in e.value.message
+
+
+def test_own_kv_events_config_that_agrees_replaces_the_operators():
+    own = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5600", "topic": "kv", "hwm": 5000}'
+    for args in (["--kv-events-config", own], [f"--kv-events-config={own}"], ["--kv_events_config", own]):
+        kids = _children(_gpu_args(args, PRECISE))
+        vllm = _container(kids[("Deployment", "chat-engine")], "vllm")
+        assert vllm["args"] == ["meta-llama/Llama-2-7b-hf", "--served-model-name", "llama-2-7b", "--host", "0.0.0.0",
+                                "--port", "8000", *args, "--enable-prompt-tokens-details"]
+        # The port is still named, listed on the Service, and told to routerd.
+        assert vllm["ports"][1] == {"name": "kv-events", "containerPort": 5600, "protocol": "TCP"}
+        assert kids[("Service", "chat-engine")]["spec"]["ports"][2]["port"] == 5600
+    # Outside precise mode a user's --kv-events-config is theirs, unchecked and alone.
+    kids = _children(_gpu_args(["--kv-events-config", "{}"], {"mode": "approximate"}))
+    vllm = _container(kids[("Deployment", "chat-engine")], "vllm")
+    assert vllm["args"][7:] == ["--kv-events-config", "{}", "--enable-prompt-tokens-details"]
+    assert [p["name"] for p in vllm["ports"]] == ["http"]
+
+
+@pytest.mark.parametrize("args", [["--enable-prompt-tokens-details"], ["--enable_prompt_tokens_details"],
+                                  ["--no-enable-prompt-tokens-details"]])
+def test_own_prompt_tokens_details_flag_is_not_doubled(args):
+    vllm = _container(_children(_gpu_args(["--max-model-len", "4096", *args]))[("Deployment", "chat-engine")], "vllm")
+    # The user's spelling stays, the operator adds none ("--no-" turns the counts off: the user's call).
+    assert vllm["args"][7:] == ["--max-model-len", "4096", *args]
+
+
+def test_the_operator_never_pins_a_block_size():
+    for prefix in (None, {"mode": "off"}, {"mode": "approximate"}, {"mode": "precise"},
+                   {"mode": "precise", "kvEvents": {"port": 5600, "topic": "kv"}}):
+        kids = _children(_with_prefix(GPU_SPEC, prefix))
+        vllm = _container(kids[("Deployment", "chat-engine")], "vllm")
+        assert not any(a.replace("_", "-").startswith("--block-size") for a in vllm["args"]), prefix
+        assert "block_size" not in (_settings_dict(_with_prefix(GPU_SPEC, prefix)).get("prefix") or {}), prefix
+    # The user's own --block-size is passed on as given.
+    vllm = _container(_children(_gpu_args(["--block-size", "32"]))[("Deployment", "chat-engine")], "vllm")
+    assert vllm["args"][7:] == ["--block-size", "32", "--enable-prompt-tokens-details"]
+
+
+@pytest.mark.parametrize("where, args, field, source", [
+    ("engine", ["--port", "9000"], "spec.engine.args", "--port is set by the operator from spec.engine.port"),
+    ("engine", ["--served-model-name=x"], "spec.engine.args",
+     "--served-model-name is set by the operator from spec.model.servedModelName"),
+    ("engine", ["--model", "m"], "spec.engine.args", "--model is set by the operator from spec.model.name"),
+    ("group", ["--served_model_name", "x"], "spec.engineGroups[0].args",
+     "--served-model-name is set by the operator from spec.engineGroups[0].model.servedModelName"),
+], ids=["port", "served-name", "model", "group-served-name"])
+def test_flags_from_spec_fields_are_refused_in_args(where, args, field, source):
+    if where == "engine":
+        spec = _gpu_args(args)
+    else:
+        spec = copy.deepcopy(GROUPS_SPEC)
+        spec["engineGroups"][0]["args"] = args
+    with pytest.raises(SpecError) as e:
+        check_pool(parse_pool_spec(spec))
+    assert e.value.field == field and source in e.value.message, e.value.message
 
 
 @needs_routerd_prefix

@@ -166,6 +166,7 @@ def test_the_shipped_checkpoint_validated_better_than_late_binding():
     assert ck.weights == tuple(ck.metadata["training"]["final_weights"])
 
 
+@pytest.mark.usefixtures("data_dir")  # trains on public-mix (../shared/data): skipped without it
 def test_a_training_run_is_reproducible(tmp_path):
     from routerd.rl.es import ESArgs, train_es
 
@@ -187,6 +188,7 @@ def test_a_training_run_is_reproducible(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.usefixtures("data_dir")  # trains on public-mix (../shared/data): skipped without it
 def test_phasewise_train_linear_trains_what_the_module_trains(tmp_path, capsys):
     from routerd.cli import main
     from routerd.rl.es import ESArgs, train_es

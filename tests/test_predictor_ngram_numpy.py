@@ -4,6 +4,9 @@
   and IDF (the definition it reimplements);
 - the heads' numpy scores against SciPy sparse products of :meth:`NgramModel.features`;
 - :class:`NgramPredictor`'s hint modes against the formulas in its docstring.
+
+Every test fits a vocabulary (:meth:`Featurizer.fit` uses scikit-learn, the optional
+``predictor-train`` extra) and checks against scikit-learn or SciPy: they skip without it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ LABELS = [2, 1, 0, 0, 1, 2, 0, 1, 2, 0]
 
 @pytest.fixture(scope="module")
 def featurizer():
+    pytest.importorskip("sklearn", reason="needs scikit-learn: pip install 'phasewise[predictor-train]'")
     return Featurizer.fit(TEXTS * 2, min_df=1, max_chars=300)
 
 

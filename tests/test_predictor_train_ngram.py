@@ -1,8 +1,13 @@
-"""``train_ngram`` on synthetic rows: what it fits on, its choices, its recorded figures."""
+"""``train_ngram`` on synthetic rows: what it fits on, its choices, its recorded figures.
+
+Fitting needs scikit-learn (the ``predictor-train`` extra): those tests skip without it.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -35,6 +40,12 @@ def _rows() -> list[D.Row]:
     return rows
 
 
+#: The tests that fit a model: scikit-learn is the optional ``predictor-train`` extra.
+needs_sklearn = pytest.mark.skipif(
+    importlib.util.find_spec("sklearn") is None,
+    reason="needs scikit-learn: pip install 'phasewise[predictor-train]'")
+
+
 def _args(tmp_path, **kw) -> Args:
     a = Args(out=str(tmp_path / "m"), log=False, min_class_rows=5, task_max_per_task=1000)
     for k, v in kw.items():
@@ -42,6 +53,7 @@ def _args(tmp_path, **kw) -> Args:
     return a
 
 
+@needs_sklearn
 def test_fits_only_the_named_datasets_and_records_it(tmp_path):
     rows = _rows()
     out = train_ngram(_args(tmp_path), rows=rows, train_datasets={"toy"})
@@ -56,6 +68,7 @@ def test_fits_only_the_named_datasets_and_records_it(tmp_path):
     assert set(pred.meta["metrics"]["test"]["dataset"]) == {"other", "toy"}
 
 
+@needs_sklearn
 def test_is_deterministic_and_its_figures_reproduce(tmp_path):
     rows = _rows()
     a = train_ngram(_args(tmp_path / "a"), rows=rows)
@@ -77,11 +90,22 @@ def test_is_deterministic_and_its_figures_reproduce(tmp_path):
     assert again["task_accuracy_known"] > 0.9
 
 
+@needs_sklearn
 def test_refuses_too_few_rows(tmp_path):
     from routerd.predictor.base import PredictorError
 
     with pytest.raises(PredictorError, match="too few rows"):
         train_ngram(_args(tmp_path), rows=_rows()[:3])
+
+
+def test_says_which_extra_is_missing_without_scikit_learn(tmp_path, monkeypatch):
+    from routerd.predictor.base import PredictorError
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn now raises ImportError
+    with pytest.raises(PredictorError) as e:
+        train_ngram(_args(tmp_path), rows=_rows())
+    assert str(e.value) == "training the n-gram predictor needs scikit-learn: pip install 'phasewise[predictor-train]'"
+    assert not (tmp_path / "m").exists()
 
 
 def test_train_options_that_would_fail_late_or_leak_are_refused_first(tmp_path, capsys):

@@ -163,7 +163,8 @@ def test_load_errors_are_one_line_and_name_the_file(tmp_path, monkeypatch):
     assert "no tokenizer configured" in refused("")
     missing = tmp_path / "nope" / "tokenizer.json"
     assert refused(str(missing)) == f"tokenizer file {missing} does not exist"
-    assert refused(str(tmp_path)) == f"tokenizer file {tmp_path / 'tokenizer.json'} does not exist"
+    assert refused(str(tmp_path)) == (f"model folder {tmp_path} has no tokenizer.json (routerd reads Hugging Face "
+                                      "fast tokenizers)")
     bad_utf8 = tmp_path / "latin1.json"
     bad_utf8.write_bytes(b'{"model": "\xff"}')
     assert refused(str(bad_utf8)).startswith(f"tokenizer file {bad_utf8} cannot be read (UnicodeDecodeError")

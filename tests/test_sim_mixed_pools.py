@@ -130,6 +130,7 @@ def test_each_instance_runs_with_its_own_profile():
     assert [i.total_blocks for i in run.instances] == [A100.num_blocks, H100.num_blocks, A100.num_blocks]
 
 
+@pytest.mark.usefixtures("data_dir")  # public-mix reads ../shared/data: skipped without it
 def test_a_pool_of_one_profile_equals_the_single_profile_run():
     wl = load_workload("public-mix", n=200, seed=3, rate=30.0)
     a = run_bench(wl.requests, A100, 3, ["round_robin", "late_binding", "phasewise"], seed=3)
@@ -140,6 +141,7 @@ def test_a_pool_of_one_profile_equals_the_single_profile_run():
         assert all((x.records[k] == y.records[k]).all() for k in x.records)
 
 
+@pytest.mark.usefixtures("data_dir")  # public-mix reads ../shared/data: skipped without it
 def test_round_robin_capacity_of_a_mixed_pool_lies_between_the_homogeneous_ones():
     reqs = load_workload("public-mix", n=300, seed=1).requests
     slow = round_robin_capacity(reqs, A100, 4)
@@ -158,6 +160,7 @@ def test_round_robin_capacity_of_a_mixed_pool_lies_between_the_homogeneous_ones(
 # --- the bench command -----------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("data_dir")  # public-mix reads ../shared/data: skipped without it
 def test_bench_runs_a_mixed_pool(tmp_path, capsys):
     rc = main(["bench", "-w", "public-mix", "-n", "120", "--instances", "1xllama3.1-8b-a100,1xllama3.1-8b-h100",
                "--policies", "round_robin,predicted_latency", "--no-plot", "-o", str(tmp_path)])
@@ -172,6 +175,7 @@ def test_bench_runs_a_mixed_pool(tmp_path, capsys):
     assert rr.count(0) == rr.count(1) == 60
 
 
+@pytest.mark.usefixtures("data_dir")  # public-mix reads ../shared/data: skipped without it
 def test_a_default_bench_of_a_mixed_pool_adds_predicted_latency_and_says_so(tmp_path, capsys):
     from routerd.policies.registry import DEFAULT_BENCH_POLICIES
 

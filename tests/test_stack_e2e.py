@@ -111,13 +111,15 @@ def _stream_kwargs(n: int, usage: bool) -> dict:
     return kw
 
 
-def _chunk_token(ch, chat: bool) -> tuple[bool, str | None]:
-    """(whether the chunk carries an output token, its finish_reason)."""
+def _chunk_tokens(ch, chat: bool) -> tuple[int, str | None]:
+    """(the output tokens a chunk carries, its finish_reason). The emulator's text is one filler
+    word per token (``routerd/routerd/emulator/openai_api.py``), and one chunk may carry several
+    tokens, as vLLM's do when its API server falls behind: tokens are words, never chunks."""
     if not ch.choices:
-        return False, None
+        return 0, None
     c = ch.choices[0]
     piece = c.delta.content if chat else c.text
-    return bool(piece), c.finish_reason
+    return len(piece.split()) if piece else 0, c.finish_reason
 
 
 # -- the tests ---------------------------------------------------------------------------
@@ -183,8 +185,8 @@ def _stream_once(s: Stack, c: openai.OpenAI, n: int, chat: bool, usage: bool) ->
     with stream:
         for ch in stream:
             assert ch.model == MODEL
-            has_token, fr = _chunk_token(ch, chat)
-            tokens += has_token
+            k, fr = _chunk_tokens(ch, chat)
+            tokens += k
             if fr is not None:
                 finish.append(fr)
             if ch.usage is not None:
@@ -216,7 +218,8 @@ def test_streaming_completion_and_chat(stack):
                 for chat in (False, True):
                     stack.expected[200] += 1
                     counted[n, chat, usage] = _routerd_count(stack, lambda: _stream_once(stack, c, n, chat, usage))
-    # routerd counts the generated tokens of a stream from its usage event, else by its events.
+    # routerd counts the generated tokens of a stream from its usage event, which it asks the
+    # instance for when the client did not (and takes out of that client's stream).
     assert counted == {k: k[0] for k in counted}
 
 
@@ -255,7 +258,7 @@ def test_200_concurrent_requests_all_answered(stack):
         tokens, usages = 0, []
         async with stream:
             async for ch in stream:
-                tokens += _chunk_token(ch, chat)[0]
+                tokens += _chunk_tokens(ch, chat)[0]
                 if ch.usage is not None:
                     usages.append(ch.usage.completion_tokens)
         assert (tokens, usages) == (n, [n] if usage else [])
@@ -451,8 +454,9 @@ def test_emulator_killed_mid_stream(stack):
                     stream = await c.completions.create(prompt=f"stream {i}", **_stream_kwargs(n, True))
                 async with stream:
                     async for ch in stream:
-                        if _chunk_token(ch, chat)[0]:
-                            tokens += 1
+                        got = _chunk_tokens(ch, chat)[0]
+                        if got:
+                            tokens += got
                             started[i].set()
                         if ch.usage is not None:
                             usages.append(ch.usage.completion_tokens)

@@ -227,7 +227,7 @@ def test_a_hung_instance_is_ejected_and_then_gets_no_request(hung, start_stack):
     s = start_stack(n=2, sidecars=False, extra_endpoints=(f"hung={hung.url}",),
                     routerd_flags=("--model", MODEL, "--policy", "round_robin"),
                     routerd_env={"PHASEWISE_UPSTREAM__RESPONSE_TIMEOUT_S": str(timeout_s)})
-    assert readyz(s) == (200, {"status": "ready", "reason": "ok", "ejected": []})
+    assert readyz(s) == (200, {"status": "ready", "reason": "ok", "ejected": [], "unhealthy": []})
 
     async def batch(k: int) -> list[int]:
         async with aclient(s) as c:
@@ -263,7 +263,7 @@ def test_a_hung_instance_is_ejected_and_then_gets_no_request(hung, start_stack):
     assert {e: after[e] - dec[e] for e in after} == {"emu0": 10, "emu1": 10, "hung": 0}
     assert len(hung.request_lines()) == hits
     # Still within its first ejection (30 s by default): the 20 requests ran while it was out.
-    assert readyz(s) == (200, {"status": "ready", "reason": "ok", "ejected": ["hung"]})
+    assert readyz(s) == (200, {"status": "ready", "reason": "ok", "ejected": ["hung"], "unhealthy": []})
 
 
 # -- 3. silent and slow clients ---------------------------------------------------------------
@@ -334,7 +334,7 @@ def test_an_emptied_config_file_is_refused_and_a_good_one_applies(start_stack):
                 complete(c, MODEL, i)
         after = decisions(s)
         assert {e: after[e] - dec.get(e, 0) for e in after} == {"emu0": k / 2, "emu1": k / 2}
-        assert readyz(s) == (200, {"status": "ready", "reason": "ok", "ejected": []})
+        assert readyz(s) == (200, {"status": "ready", "reason": "ok", "ejected": [], "unhealthy": []})
 
     serves_both()
     refused = f"reload refused, keeping the running configuration: config {path}: the file is empty; refused"

@@ -64,8 +64,8 @@ import yaml
 from phasewise_operator.gen_crds import (API_VERSION, DEFAULT_PREDICTOR, EPP_GRPC_PORT, EPP_HEALTH_PORT,
                                          EPP_METRICS_PORT, KV_EVENTS_PORT_NAME)
 from phasewise_operator.settings import OperatorSettings
-from phasewise_operator.spec import (KV_EVENTS_FLAG, DisruptionBudget, EngineGroup, PoolSpec, Resources, SpecError,
-                                     resolve_profile)
+from phasewise_operator.spec import (KV_EVENTS_FLAG, PROMPT_TOKENS_DETAILS_FLAG, DisruptionBudget, EngineGroup,
+                                     PoolSpec, Resources, SpecError, flag_uses, kv_events_fields, resolve_profile)
 
 # ---------------------------------------------------------------- names and labels
 
@@ -347,7 +347,8 @@ def prefix_settings(spec: PoolSpec) -> dict[str, Any]:
     """routerd's ``prefix`` settings from ``spec.routing.prefix``: the fields set, by routerd's names.
 
     Every unset field is left out, so routerd's own default applies (the mode's included:
-    one place for it, routerd's settings model). Mode ``precise`` adds what the engines and
+    one place for it, routerd's settings model; an unset ``block_size`` lets routerd learn
+    each engine's own, which the operator never pins on vLLM either). Mode ``precise`` adds what the engines and
     routerd must agree on, ``kv_events.port`` and ``topic`` (vLLM's defaults unless set),
     and in an emulated pool ``tokenizer: bytes`` unless set, the emulator's tokenizer
     (without it routerd could not tokenize like the engines and would stay approximate).
@@ -384,24 +385,56 @@ def prefix_settings(spec: PoolSpec) -> dict[str, Any]:
 def kv_events_config(spec: PoolSpec) -> str | None:
     """The engines' ``--kv-events-config`` JSON with prefix mode precise, else None.
 
-    vLLM's ``KVEventsConfig`` fields (``vllm/config/kv_events.py``): events on, the ZMQ
-    publisher bound on every address at the pool's port, the pool's topic; the rest
+    vLLM's ``KVEventsConfig`` fields (``vllm/config/kv_events.py``, :func:`~phasewise_operator.spec.kv_events_fields`):
+    events on, the ZMQ publisher bound on every address at the port routerd subscribes to
+    (``prefix.kv_events.port`` of :func:`prefix_settings`), the same topic; the rest
     (buffer_steps, hwm, replay endpoint) stay vLLM's.
     """
     if not spec.routing.precise_prefix:
         return None
-    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                       "endpoint": f"tcp://*:{spec.routing.kv_events_port}", "topic": spec.routing.kv_events_topic},
+    return json.dumps(kv_events_fields(spec.routing.kv_events_port, spec.routing.kv_events_topic),
                       separators=(",", ":"))
 
 
-def _kv_events_parts(spec: PoolSpec) -> tuple[list[str], list[dict[str, Any]]]:
-    """(args, container ports) an engine container adds with prefix mode precise; empty otherwise."""
+def _kv_events_parts(spec: PoolSpec, user_args: Sequence[str] = ()) -> tuple[list[str], list[dict[str, Any]]]:
+    """(args, container ports) an engine container adds with prefix mode precise; empty otherwise.
+
+    The args are left out where ``user_args`` give ``--kv-events-config`` themselves (``check_pool``
+    has checked that theirs publishes on the same port and topic); the port is named either way.
+    """
     cfg = kv_events_config(spec)
     if cfg is None:
         return [], []
-    return ([KV_EVENTS_FLAG, cfg],
-            [{"name": KV_EVENTS_PORT_NAME, "containerPort": spec.routing.kv_events_port, "protocol": "TCP"}])
+    args = [] if flag_uses(list(user_args), KV_EVENTS_FLAG) else [KV_EVENTS_FLAG, cfg]
+    return args, [{"name": KV_EVENTS_PORT_NAME, "containerPort": spec.routing.kv_events_port, "protocol": "TCP"}]
+
+
+def vllm_args(spec: PoolSpec, group: EngineGroup | None = None) -> list[str]:
+    """The vLLM container's arguments after ``vllm serve``.
+
+    ``MODEL --served-model-name NAME --host 0.0.0.0 --port PORT``, the group's ``args``, then
+    the operator's own flags: ``--enable-prompt-tokens-details`` always, and with prefix mode
+    precise ``--kv-events-config`` (:func:`kv_events_config`). Never ``--block-size``: each
+    engine keeps its attention backend's default (16 on most GPU backends, 128 on vLLM's CPU
+    build) unless the args give one, and routerd learns each engine's block size.
+
+    A flag of the operator's own that the args already give, in any spelling vLLM reads as it
+    (:func:`~phasewise_operator.spec.flag_uses`: underscores, ``=value``, dotted keys, the
+    ``--no-`` form), is left out: the user's wins (``--no-enable-prompt-tokens-details`` turns
+    the cached-token counts off; a ``--kv-events-config`` in precise mode must agree with
+    routerd, which ``check_pool`` enforces). The operator's flags come after the args, so a
+    spelling not recognized here (an abbreviation) still loses to them, as argparse keeps the
+    last. ``--model``, ``--served-model-name`` and ``--port`` come from spec fields and
+    ``check_pool`` refuses them in args.
+    """
+    e = spec.engine
+    g = _group(spec, group)
+    own: list[str] = []
+    if not flag_uses(g.args, PROMPT_TOKENS_DETAILS_FLAG):
+        own.append(PROMPT_TOKENS_DETAILS_FLAG)
+    own += _kv_events_parts(spec, g.args)[0]
+    return [g.model.name, "--served-model-name", g.model.served, "--host", "0.0.0.0", "--port", str(e.port),
+            *g.args, *own]
 
 
 def render_settings(settings: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> str:
@@ -500,10 +533,9 @@ def _group(spec: PoolSpec, group: EngineGroup | None) -> EngineGroup:
 
 
 def vllm_container(spec: PoolSpec, settings: OperatorSettings, group: EngineGroup | None = None) -> dict[str, Any]:
-    """The vLLM container: ``vllm serve MODEL --served-model-name NAME --port PORT`` plus the group's args.
+    """The vLLM container: ``vllm serve`` with :func:`vllm_args`.
 
-    With prefix mode precise, also ``--kv-events-config`` (:func:`kv_events_config`) and the
-    container port ``kv-events`` the events are published on.
+    With prefix mode precise, also the container port ``kv-events`` the events are published on.
 
     ``group`` (default: the pool's only one) supplies the model, args, env and resources.
     vLLM writes caches under HOME, HF_HOME, the Triton and TorchInductor cache dirs and
@@ -525,14 +557,13 @@ def vllm_container(spec: PoolSpec, settings: OperatorSettings, group: EngineGrou
     if e.model_cache_claim:
         mounts.append({"name": "models", "mountPath": "/models"})
     probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
-    kv_args, kv_ports = _kv_events_parts(spec)
+    _, kv_ports = _kv_events_parts(spec)
     return {
         "name": "vllm",
         "image": e.image or settings.vllm_image,
         "imagePullPolicy": e.image_pull_policy or settings.image_pull_policy,
         "command": ["vllm", "serve"],
-        "args": [g.model.name, "--served-model-name", g.model.served, "--host", "0.0.0.0",
-                 "--port", str(e.port), *kv_args, *g.args],
+        "args": vllm_args(spec, g),
         "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}, *kv_ports],
         "env": env,
         "resources": g.resources.k8s(),

@@ -331,7 +331,11 @@ def prefix_schema() -> dict[str, Any]:
                    "blocks (falling back to approximate while an instance's events are stale or no "
                    "tokenizer is available). Quote \"off\" in YAML (unquoted it reads as false).",
                    enum=list(PREFIX_MODES)),
-        "blockSize": _i("Tokens per KV block: the engines' block size (vLLM --block-size, 16 by default).",
+        "blockSize": _i("Tokens per KV block of routerd's prefix keys. Unset (recommended): routerd learns each "
+                        "engine's own from its KV events and vllm:cache_config_info; vLLM's default depends on the "
+                        "attention backend (16 on most GPU backends, 128 on the CPU build). A set size an engine "
+                        "disagrees with is a routerd warning and metric, not a dropped engine. The operator never "
+                        "passes it to vLLM: give --block-size in the engine args to pin the engines'.",
                         minimum=1),
         "chunkBlocks": _i("Blocks per hashed text chunk of the approximate index.", minimum=1),
         "maxPromptTokens": _i("Only the first this many prompt tokens are hashed.", minimum=1, format="int64"),
@@ -433,7 +437,12 @@ def pool_spec_schema() -> dict[str, Any]:
         "imagePullPolicy": _PULL_POLICY,
         "args": {"type": "array", "maxItems": 128, "items": {"type": "string", "maxLength": 4096},
                  "description": "Extra vLLM arguments, after the model, served name and port "
-                                "(e.g. --max-model-len, --tensor-parallel-size). Not allowed when emulated."},
+                                "(e.g. --max-model-len, --tensor-parallel-size); --model, --served-model-name and "
+                                "--port are refused (they come from spec fields). The operator adds "
+                                "--enable-prompt-tokens-details, and with routing.prefix.mode precise "
+                                "--kv-events-config, unless these args give them (a precise-mode "
+                                "--kv-events-config must then publish on routerd's port and topic). "
+                                "Not allowed when emulated."},
         "env": _ENV,
         "resources": _resources("Resources of the vLLM (or emulator) container, e.g. limits nvidia.com/gpu: 1."),
         "replicas": _i("Number of serving instances (the scale subresource); with engineGroups, of each group "

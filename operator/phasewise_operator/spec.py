@@ -12,6 +12,7 @@ e.g. ``spec.routing.params.reserve_fraction: Input should be less than 1``.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,7 +30,101 @@ from phasewise_operator.gen_crds import (DEFAULT_ENVOY_PORT, DEFAULT_FAILURE_MOD
 Quantity = int | str
 
 KV_EVENTS_FLAG = "--kv-events-config"
-"""vLLM's (and the emulator's) flag for the KV-event publisher, set by the operator in precise mode."""
+"""vLLM's (and the emulator's) flag for the KV-event publisher, set by the operator in precise mode
+(``KVEventsConfig``, ``vllm/config/kv_events.py``)."""
+PROMPT_TOKENS_DETAILS_FLAG = "--enable-prompt-tokens-details"
+"""vLLM's flag that adds ``usage.prompt_tokens_details.cached_tokens`` (the prompt tokens its prefix
+cache served) to every response (``FrontendArgs.enable_prompt_tokens_details``,
+``vllm/entrypoints/launchers/cli_args.py``; off by default). The operator gives it to every vLLM
+container: it is the ground truth routerd's cached-token estimate is compared against."""
+OPERATOR_FLAGS = ("--model", "--served-model-name", "--port")
+"""vLLM flags the operator sets from spec fields on every vLLM container; ``check_pool`` refuses
+them in ``args`` (a second copy would win, argparse keeps the last, and routerd would look for
+another model name, the probes and Services for another port)."""
+_VLLM_KV_EVENTS_ENDPOINT = f"tcp://*:{DEFAULT_KV_EVENTS_PORT}"
+"""``KVEventsConfig.endpoint``'s default (``vllm/config/kv_events.py``)."""
+
+
+def flag_uses(args: list[str] | tuple[str, ...], flag: str) -> list[tuple[int, str]]:
+    """Where ``args`` give vLLM flag ``flag`` (``--name``), in every spelling vLLM's parser reads as it.
+
+    vLLM's ``FlexibleArgumentParser.parse_args`` (``vllm/utils/argparse_utils.py``) reads
+    underscores as dashes in an option's name (up to its first ``.``), ``--name=value``, dotted
+    keys of a JSON option (``--name.key value``, merged into one JSON value placed after every
+    other argument, so they replace a whole ``--name JSON``), and ``--no-name`` for a boolean
+    (``argparse.BooleanOptionalAction``). Abbreviations, which argparse also takes, and
+    options read from a ``--config`` file are not seen here.
+
+    Returns:
+        ``(index, form)`` for each occurrence, form ``bare`` (``--name``, its value the next
+        argument when it takes one), ``inline`` (``--name=value``), ``dotted``
+        (``--name.key ...``) or ``negated`` (``--no-name``).
+    """
+    name = flag.removeprefix("--")
+    out: list[tuple[int, str]] = []
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        key, eq, _ = arg[2:].partition("=")
+        head, dot, _ = key.partition(".")
+        head = head.replace("_", "-")
+        if head == name:
+            out.append((i, "dotted" if dot else "inline" if eq else "bare"))
+        elif head == f"no-{name}" and not dot:
+            out.append((i, "negated"))
+    return out
+
+
+def kv_events_fields(port: int, topic: str) -> dict[str, Any]:
+    """The ``KVEventsConfig`` fields (``vllm/config/kv_events.py``) of an engine publishing what
+    routerd subscribes to: events on, the ZMQ publisher bound on every address (``tcp://*:PORT``:
+    vLLM binds an endpoint with ``*`` and connects to any other, ``vllm/distributed/kv_events.py``)
+    at ``port``, topic ``topic``."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": topic}
+
+
+def _check_own_kv_events_config(g: "EngineGroup", port: int, topic: str) -> None:
+    """A group's own ``--kv-events-config`` in precise mode: the operator leaves its copy out, so
+    the user's must publish what routerd reads (:func:`kv_events_fields`; other fields such as
+    ``hwm`` or ``replay_endpoint`` are the user's).
+
+    Raises:
+        SpecError: naming the group's ``args``: the flag given more than once or with dotted keys,
+            without a value, not a JSON object, or disagreeing in events on, publisher, endpoint
+            or topic.
+    """
+    uses = flag_uses(g.args, KV_EVENTS_FLAG)
+    if not uses:
+        return
+    where = g.field("args")
+    want = json.dumps(kv_events_fields(port, topic), separators=(",", ":"))
+    if len(uses) > 1 or uses[0][1] not in ("bare", "inline"):
+        raise SpecError(where, f"give {KV_EVENTS_FLAG} once, as one JSON object (or leave it out: with "
+                        f"routing.prefix.mode precise the operator sets {want})")
+    i, form = uses[0]
+    raw = g.args[i].partition("=")[2] if form == "inline" else (g.args[i + 1] if i + 1 < len(g.args) else None)
+    try:
+        cfg = json.loads(raw) if raw is not None else None
+    except json.JSONDecodeError:
+        cfg = None
+    if not isinstance(cfg, dict):
+        raise SpecError(where, f"{KV_EVENTS_FLAG} needs a JSON object, got {raw!r} (or leave it out: with "
+                        f"routing.prefix.mode precise the operator sets {want})")
+    bad = []
+    if cfg.get("enable_kv_cache_events") is not True:
+        bad.append("enable_kv_cache_events must be true")
+    if "publisher" in cfg and cfg["publisher"] != "zmq":
+        bad.append(f"publisher must be zmq, not {cfg['publisher']!r}")
+    endpoint = cfg.get("endpoint", _VLLM_KV_EVENTS_ENDPOINT)
+    if endpoint != f"tcp://*:{port}":
+        bad.append(f"endpoint {endpoint!r} must be 'tcp://*:{port}', where routerd subscribes "
+                   "(spec.routing.prefix.kvEvents.port)")
+    if cfg.get("topic", "") != topic:
+        bad.append(f"topic {cfg.get('topic', '')!r} must be {topic!r}, routerd's (spec.routing.prefix.kvEvents.topic)")
+    if bad:
+        raise SpecError(where, f"{KV_EVENTS_FLAG} disagrees with routerd's KV-event subscription "
+                        f"(routing.prefix.mode precise): {'; '.join(bad)}; "
+                        f"or leave it out and the operator sets {want}")
 
 
 class SpecError(ValueError):
@@ -235,7 +330,9 @@ class PrefixSpec(_Spec):
     """``off``, ``approximate`` (routerd hashes the prompt text) or ``precise`` (routerd follows the
     engines' KV events); None = routerd's default."""
     block_size: int | None = Field(default=None, ge=1)
-    """Tokens per KV block, the engines' block size (routerd's ``block_size``)."""
+    """Tokens per KV block of routerd's prefix keys (routerd's ``block_size``); None = routerd learns each
+    engine's own. Never passed to vLLM: the engines keep their backend's default (16 on most GPU
+    backends, 128 on the CPU build) unless ``args`` give ``--block-size``."""
     chunk_blocks: int | None = Field(default=None, ge=1)
     """Blocks per hashed text chunk of the approximate index (routerd's ``chunk_blocks``)."""
     max_prompt_tokens: int | None = Field(default=None, ge=1)
@@ -748,7 +845,10 @@ def check_pool(spec: PoolSpec) -> None:
     Raises:
         SpecError: naming the field, e.g. an unknown policy or profile that slipped past
             an older CRD, a policy parameter its model rejects, a merged inline profile
-            that breaks routerd's limits, or an emulated pool that requests GPUs.
+            that breaks routerd's limits, an emulated pool that requests GPUs, vLLM args
+            that give a flag the operator sets from a spec field (:data:`OPERATOR_FLAGS`),
+            or in prefix mode precise a group's own ``--kv-events-config`` that does not
+            publish where routerd subscribes.
     """
     from routerd.policies.registry import POLICIES
 
@@ -789,14 +889,9 @@ def check_pool(spec: PoolSpec) -> None:
         known = ", ".join(f for f in params_model.model_fields if f != "checkpoint") or "none"
         raise SpecError(f"spec.routing.params.{field}",
                         f"{err['msg']} (policy {policy}{chosen} takes: {known})") from None
-    profile = resolve_profile(spec, pool_name="check")
-    pre = spec.routing.prefix
-    if pre is not None and pre.block_size is not None and pre.block_size != profile.block_size:
-        # routerd refuses this at start (routerd.daemon.config.profile_checks): a pod in a crash loop.
-        raise SpecError("spec.routing.prefix.blockSize",
-                        f"{pre.block_size} differs from the block size {profile.block_size} of the pool's hardware "
-                        "profile; routerd counts cached tokens in the profile's blocks: set "
-                        "hardwareProfile.inline.blockSize to the engines' --block-size, or leave blockSize unset")
+    # prefix.blockSize is what the engines are expected to report, not the profile's: routerd keys
+    # each engine's blocks in the size its KV events report, and says so when it differs.
+    resolve_profile(spec, pool_name="check")
     if spec.predictor is not None and spec.predictor.name is not None and \
             spec.predictor.name not in predictor_names():
         raise SpecError("spec.predictor.name", f"unknown predictor {spec.predictor.name!r}; "
@@ -815,17 +910,23 @@ def check_pool(spec: PoolSpec) -> None:
             raise SpecError(f"{where}.args", "args are vLLM arguments; an emulated pool must not set them")
     if spec.engine.port == spec.sidecar.port:
         raise SpecError("spec.sidecar.port", "engine.port and sidecar.port must differ")
+    for g in spec.groups():
+        model = g.field("model")
+        source = {"--model": f"{model}.name", "--served-model-name": f"{model}.servedModelName",
+                  "--port": "spec.engine.port"}
+        for flag in OPERATOR_FLAGS:
+            if flag_uses(g.args, flag):
+                raise SpecError(g.field("args"), f"{flag} is set by the operator from {source[flag]}; "
+                                "leave it out of the args")
     if spec.routing.precise_prefix:
         port = spec.routing.kv_events_port
         if port in (spec.engine.port, spec.sidecar.port):
             raise SpecError("spec.routing.prefix.kvEvents.port",
                             f"port {port} is taken by engine.port or sidecar.port; the KV events need their own")
-        # The operator sets the engines' --kv-events-config in precise mode: a second one in
-        # the args would win (argparse keeps the last) and could publish where routerd does not listen.
+        # The operator sets the engines' --kv-events-config in precise mode unless a group gives
+        # its own: then that one must publish where routerd listens.
         for g in spec.groups():
-            if any(a == KV_EVENTS_FLAG or a.startswith(KV_EVENTS_FLAG + "=") for a in g.args):
-                raise SpecError(g.field("args"), f"{KV_EVENTS_FLAG} is set by the operator with "
-                                "routing.prefix.mode precise; give its port and topic in spec.routing.prefix.kvEvents")
+            _check_own_kv_events_config(g, port, spec.routing.kv_events_topic)
 
 
 def resolve_profile(spec: PoolSpec, *, pool_name: str, group: EngineGroup | None = None):

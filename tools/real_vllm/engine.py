@@ -108,11 +108,34 @@ def tiny_model(python: Path, seed: int = 0) -> TinyModel:
     return TinyModel(root / "model", {a: root / f"lora-{a}" for a in ADAPTERS})
 
 
+#: Ports handed out by :func:`free_port` in this process (never twice).
+_handed: set[int] = set()
+#: Where :func:`free_port` looks: below Linux's ephemeral range (32768-60999), where vLLM's own
+#: ZMQ sockets take their random ports, so an engine never races another for the port picked here.
+PORT_RANGE = (20000, 32000)
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS's choice)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on every interface now, not handed out before by this process, picked at
+    random in :data:`PORT_RANGE`.
+
+    Raises:
+        EngineError: no free port found in 200 tries.
+    """
+    import random
+
+    for _ in range(200):
+        port = random.randrange(*PORT_RANGE)
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    raise EngineError(f"no free TCP port in {PORT_RANGE}")
 
 
 class VLLMEngine:
@@ -196,11 +219,12 @@ class VLLMEngine:
         env.update({"VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                     "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+        argv = self.argv()
         env.update(self.extra_env)
         log = open(self.log_path, "ab")
-        log.write(f"\n=== start {self.starts + 1}: {' '.join(self.argv())}\n".encode())
+        log.write(f"\n=== start {self.starts + 1}: {' '.join(argv)}\n".encode())
         log.flush()
-        self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True, cwd=str(self.logdir))
         log.close()
         self.starts += 1
@@ -279,6 +303,14 @@ class VLLMEngine:
 
     # --- helpers ----------------------------------------------------------------------------------
 
+    def port_taken(self) -> bool:
+        """Whether the latest start failed because a port was taken (its log says so)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+        return "Address already in use" in text[text.rfind("\n=== start "):]
+
     def log_tail(self, n: int = 60) -> str:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
@@ -315,22 +347,33 @@ class VLLMEngine:
         return f"VLLMEngine({self.name!r}, {self.url}, kv {self.kv_events_address}, block_size {self.block_size})"
 
 
-def start_engines(engines: Sequence[VLLMEngine], timeout_s: float = 420.0) -> None:
-    """Start every engine, then wait for each; on failure stop them all and raise.
+def start_engines(engines: Sequence[VLLMEngine], timeout_s: float = 420.0, attempts: int = 3) -> None:
+    """Start every engine, then wait for each; on failure stop them all and raise. An engine that
+    failed because a port it was given got taken meanwhile is started again on new ports (up to
+    ``attempts`` times in all).
 
     Raises:
         EngineError: one exited or was not ready in time.
     """
-    try:
-        for e in engines:
-            e.start()
-        deadline = time.monotonic() + timeout_s
-        for e in engines:
-            e.wait_ready(max(1.0, deadline - time.monotonic()))
-    except BaseException:
-        for e in engines:
-            e.stop()
-        raise
+    for attempt in range(attempts):
+        try:
+            for e in engines:
+                e.start()
+            deadline = time.monotonic() + timeout_s
+            for e in engines:
+                e.wait_ready(max(1.0, deadline - time.monotonic()))
+            return
+        except EngineError as err:
+            for e in engines:
+                e.stop()
+            if attempt == attempts - 1 or not any(e.port_taken() for e in engines):
+                raise
+            for e in engines:
+                e.port, e.kv_port = free_port(), free_port()
+        except BaseException:
+            for e in engines:
+                e.stop()
+            raise
 
 
 if __name__ == "__main__":  # a quick manual check: python tools/real_vllm/engine.py

@@ -28,10 +28,10 @@ from routerd.daemon.collector import CollectorPacer
 from routerd.daemon.config import PolicyConfig, Settings, load_settings
 from routerd.daemon.discovery import DiscoveredEndpoint
 from routerd.daemon.frontend import Frontend, effective_max_connections
-from routerd.daemon.metrics import Metrics
+from routerd.daemon.metrics import EngineIndexCollector, Metrics
 from routerd.daemon.models import ModelLister
 from routerd.daemon.predict_batch import PredictionBatcher
-from routerd.daemon.prefix import PromptInput, build_prefix_identity, kv_events_address
+from routerd.daemon.prefix import PrefixInput, PromptInput, build_prefix_identity, kv_events_address
 from routerd.daemon.proxy import Proxy
 from routerd.daemon.state import url_target
 from routerd.daemon.router import CheckpointConfigError, Router, build_routing_policy
@@ -178,12 +178,14 @@ class Daemon:
         self.predictor = built.predictor
         self._batcher = PredictionBatcher(self._is_blocking)
         self.metrics = Metrics()
+        self.metrics.registry.register(EngineIndexCollector(self.engine_index_stats))
         self.router = Router(profile=self.profile, policy=built.policy, policy_name=built.policy_name,
                              metrics=self.metrics, config=settings.router, state_max_age_s=settings.state.max_age_s,
                              bucket_edges=built.edges)
         self.router.failure_cooldown_s = settings.upstream.failure_cooldown_s
         self.router.outlier = settings.upstream.outlier
         self.prefix = built.prefix
+        self._wire_prefix()
         self.router.configure_prefix(settings.prefix.index_capacity_blocks)
         self.router.set_default_models(settings.models)
         self.router.on_ready_change = self._on_ready_change
@@ -356,8 +358,9 @@ class Daemon:
     def prefix_blocks(self, prompt: PromptInput, chat: bool = False) -> Any:
         """The request's :class:`~routerd.prefix.chain.PrefixBlocks` for the live policy, or None:
         ``prefix.mode`` off, no prompt, or a policy that keeps no prefix index (nothing is hashed
-        for ``round_robin`` and the other load-only policies). ``chat``: ``prompt`` is a chat
-        request's rendered messages. Observed in ``phasewise_prefix_prompt_blocks``."""
+        for ``round_robin`` and the other load-only policies). ``prompt``: a
+        :class:`~routerd.daemon.prefix.PrefixInput` (or bare text, ``chat``: a chat request's
+        rendered messages). Observed in ``phasewise_prefix_prompt_blocks``."""
         ident = self.prefix
         if prompt is None or not ident.enabled or not self.router.reads_prefix:
             return None
@@ -370,8 +373,15 @@ class Daemon:
         """Whether ``prompt`` goes to :meth:`prefix_blocks_in_thread`: a long text for a model's tokenizer."""
         ident = self.prefix
         tok = ident.tokenizer
-        return not (tok is None or tok.name == "bytes" or not isinstance(prompt, str) or len(prompt) < _THREAD_CHARS
-                    or (chat and not ident.chat_keyed) or not self.router.reads_prefix)
+        if tok is None or tok.name == "bytes" or not self.router.reads_prefix:
+            return False
+        if isinstance(prompt, PrefixInput):
+            chat = prompt.chat
+            size = len(prompt.chat_text or "") if chat else (len(prompt.prompt) if isinstance(prompt.prompt, str)
+                                                            else 0)
+        else:
+            size = len(prompt) if isinstance(prompt, str) else 0
+        return size >= _THREAD_CHARS and (not chat or ident.chat_keyed)
 
     async def prefix_blocks_in_thread(self, prompt: PromptInput, chat: bool = False) -> Any:
         """:meth:`prefix_blocks` in a worker thread, for a prompt :meth:`prefix_in_thread` says
@@ -473,7 +483,7 @@ class Daemon:
         wanted: dict[str, tuple] = {}
         if self.prefix.source == "precise" and not self._stopping:
             ke = cfg.kv_events
-            wanted = {ep.name: (ep.kv_events, ke.topic, self.prefix.block_size, ke.max_blocks, ke.stale_after_s)
+            wanted = {ep.name: (ep.kv_events, ke.topic, cfg.block_size, ke.max_blocks, ke.stale_after_s)
                       for ep in self.router.endpoints if not ep.removed and ep.kv_events}
             by_addr: dict[str, list[str]] = {}
             for name, key in wanted.items():
@@ -501,7 +511,9 @@ class Daemon:
             if name in self._kv_subs:
                 continue
             addr, topic, bs, max_blocks, stale_s = key
-            idx = EngineBlockIndex(bs, max_blocks=max_blocks, stale_after_s=stale_s)
+            idx = EngineBlockIndex(bs, max_blocks=max_blocks, stale_after_s=stale_s,
+                                   on_block_size=lambda want, got, _n=name: self._engine_block_size(_n, want, got),
+                                   on_loss=lambda cause, _n=name: self.router.forget_cached(_n, cause))
             self._kv_subs[name] = (key, idx)
             self.metrics.engine_index(name, idx)
             if name in self._kv:
@@ -512,6 +524,38 @@ class Daemon:
             sub = self._kv_subs.get(ep.name)
             ep.engine_index = sub[1] if sub is not None else None
             ep.on_prefix_fallback = None if sub is None else (lambda reason, _n=ep.name: self._prefix_fallback(_n, reason))
+
+    def _engine_block_size(self, name: str, expected: int | None, reported: int) -> None:
+        """Endpoint ``name``'s engine publishes blocks of ``reported`` tokens: its index keys in them.
+        A ``prefix.block_size`` that disagrees is a warning and
+        ``phasewise_prefix_block_size_mismatch``; without one, an engine whose size differs from the
+        profile's is said at INFO (the profile's size only counts KV capacity and matches)."""
+        self.metrics.block_size_mismatch(name, expected, reported)
+        prof = self.profile.block_size
+        if expected is not None:
+            log.warning("prefix.mode precise: %s's engine caches KV blocks of %d tokens but prefix.block_size is %d: "
+                        "its blocks are keyed in %d-token blocks (phasewise_prefix_block_size_mismatch); set "
+                        "prefix.block_size to %d or leave it unset", name, reported, expected, reported, reported)
+        elif reported != prof:
+            log.info("prefix.mode precise: %s's engine caches KV blocks of %d tokens (the profile %s says %d): its "
+                     "KV events are keyed in %d-token blocks", name, reported, self.settings.profile, prof, reported)
+
+    def _wire_prefix(self) -> None:
+        """Connect the prefix identity to what the daemon knows: which models are LoRA adapters
+        (their blocks are salted apart), and the metric of requests it could not key."""
+        self.prefix.lora_of = self._lora_of
+        self.prefix.on_problem = lambda reason: self.metrics.prefix_problems.labels(reason).inc()
+
+    def _lora_of(self, model: str) -> str | None:
+        """The adapter a request for ``model`` runs under: ``model`` when an endpoint's ``/v1/models``
+        card gives it a ``parent`` (vLLM lists a LoRA adapter with its base model as parent,
+        ``vllm/entrypoints/openai/models/serving.py``), else None (a base model, or models whose
+        lists are not read: ``models`` names one, or ``endpoints[].models`` are configured)."""
+        for _, cards in self.model_lister.cards.values():
+            card = cards.get(model)
+            if card is not None and card.get("parent") is not None:
+                return model
+        return None
 
     def _prefix_fallback(self, name: str, reason: str) -> None:
         """A policy's precise query for ``name`` answered by its approximate index: counted, and
@@ -553,8 +597,13 @@ class Daemon:
             self._kv_add(name, *new)
 
     def engine_index_stats(self) -> dict[str, Any]:
-        """Per subscribed endpoint its EngineBlockIndex (``phasewise_prefix_engine_*`` metrics)."""
-        return {name: idx for name, (_, idx) in self._kv_subs.items()}
+        """Per subscribed endpoint its EngineBlockIndex and its consumer's counters (or None):
+        ``phasewise_prefix_kv_event_batches_total`` and the other ``EngineIndexCollector`` series."""
+        out = {}
+        for name, (_, idx) in self._kv_subs.items():
+            stats = self._kv.stats(name) if self._kv is not None and name in self._kv else None
+            out[name] = (idx, stats)
+        return out
 
     def _background(self, coro) -> None:
         # Keep a reference: the event loop holds only weak ones to tasks.
@@ -610,14 +659,26 @@ class Daemon:
 
     # -- readiness and models ----------------------------------------------------
     def readiness(self) -> tuple[bool, str]:
-        """(ready, why): config loaded, not draining, and an endpoint that is ready and reachable."""
-        if self.router.draining:
+        """(ready, why): config loaded, not draining, and an endpoint that is ready (by its source,
+        and not reported unhealthy by its sidecar: :meth:`Router.is_ready`) and reachable (no
+        connect-failure cooldown). ``why`` names the unhealthy endpoints when they are the reason."""
+        router = self.router
+        if router.draining:
             return False, "draining"
-        now = self.router.clock()
+        now = router.clock()
         # An ejected endpoint still counts: with every one ejected, requests go to them anyway.
-        if not any(ep.ready and ep.down_until <= now for ep in self.router.endpoints):
-            return False, "no ready endpoint"
+        if not any(router.is_ready(ep, now) and ep.down_until <= now for ep in router.endpoints):
+            sick = self.unhealthy_endpoints(now)
+            return False, "no ready endpoint" + (f" (reported unhealthy by their sidecars: {', '.join(sick)})"
+                                                 if sick else "")
         return True, "ok"
+
+    def unhealthy_endpoints(self, now: float | None = None) -> list[str]:
+        """Names of the present endpoints their sidecars report unhealthy now, sorted."""
+        router = self.router
+        now = router.clock() if now is None else now
+        age = self.settings.state.max_age_s
+        return sorted(ep.name for ep in router.endpoints if not ep.removed and ep.sidecar_unhealthy(now, age))
 
     def _on_ready_change(self) -> None:
         ready = self.readiness()[0]
@@ -730,6 +791,8 @@ class Daemon:
         age = self.settings.state.max_age_s
         for ep in self.router.endpoints:
             ep.m.state_stale.set(1 if ep.state_address is not None and ep.is_stale(now, age) else 0)
+            # Also changes with time alone (an unhealthy snapshot ages out).
+            ep.m.ready.set(1 if self.router.is_ready(ep, now) else 0)
 
     # -- reload ------------------------------------------------------------------
     async def reload(self, settings: Settings | None = None, *, expect: tuple[int, int, int] | None = None) -> bool:
@@ -797,6 +860,7 @@ class Daemon:
                 and settings.router.near_tie == old.router.near_tie and built.profile == live.ctx.profile
                 and tuple(built.edges) == tuple(live.ctx.bucket_edges))
         self.prefix = built.prefix
+        self._wire_prefix()
         self.router.configure_prefix(settings.prefix.index_capacity_blocks)
         if keep:
             log.info("reload: policy %s unchanged; its prefix indexes are kept", settings.policy.name)

@@ -42,7 +42,7 @@ class Inflight:
     __slots__ = ("rid", "label", "prompt_tokens", "predicted_bucket", "predicted_output", "load_bin",
                  "exact", "generated", "first_token", "endpoint", "dispatched_at", "arrived_at", "group", "done",
                  "features", "exclude", "enqueued_at", "waiter", "error", "fallback", "blind", "model", "seq",
-                 "policy", "cached_tokens", "uncached_blocks", "kv_batches")
+                 "policy", "cached_tokens", "uncached_blocks", "kv_batches", "pending")
 
     def __init__(self, rid: int, label: Any, prompt_tokens: int, predicted_bucket: int | None,
                  predicted_output: float, arrived_at: float) -> None:
@@ -70,6 +70,8 @@ class Inflight:
         self.uncached_blocks = 0
         self.kv_batches = 0
         """Batches its endpoint's engine index had applied when it was dispatched."""
+        self.pending: list[int] | None = None
+        """Its prompt's engine-block keys noted pending on its endpoint (``EndpointState.note_pending``)."""
         """Full prompt blocks its endpoint's engine did not hold at dispatch (precise mode): once
         it is prefilled their ``BlockStored`` events are due (``EngineBlockIndex.note_dispatch``)."""
         """Prompt tokens believed cached on its endpoint when it was dispatched (the engine's KV

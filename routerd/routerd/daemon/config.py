@@ -318,9 +318,12 @@ class PrefixConfig(_Model):
     matches as ``approximate`` (said once in the log). An unquoted YAML ``off`` (YAML 1.1 reads it
     as false) is taken as ``off``."""
     block_size: int | None = Field(default=None, ge=1, le=4096)
-    """KV block size (tokens): vLLM's ``--block-size``. None: the hardware profile's (16 in every
-    bundled profile, vLLM's default); a value must equal it, since the policies count cached
-    tokens in the profile's blocks."""
+    """The engines' KV block size (tokens) as you expect it: vLLM's ``--block-size``. None: nothing
+    expected. Each engine's own size is learnt from its KV events either way (vLLM's default is 16
+    on most GPU backends, 128 on its CPU build) and its blocks are keyed in it; an engine that
+    reports another size than this one is said in a warning and in
+    ``phasewise_prefix_block_size_mismatch{endpoint,configured,reported}``, never dropped. The
+    policies count a match in the hardware profile's blocks (``profile``), whatever the engines'."""
     chunk_blocks: int = Field(default=4, ge=1, le=256)
     """Blocks per hashed chunk of text (approximate identity): a chunk is ``chunk_blocks *
     block_size * 4`` bytes (routerd's 4 bytes per token) and a shared prefix is found to its last
@@ -343,8 +346,10 @@ class PrefixConfig(_Model):
     14 MB per endpoint (per model with several models)."""
     tokenizer: str = ""
     """Precise mode's tokenizer: ``""`` (none: text chunks as in approximate mode), ``bytes``
-    (the emulator's deterministic tokenizer, 4 UTF-8 bytes per token) or the path of a Hugging
-    Face ``tokenizer.json`` (``pip install 'phasewise[tokenizer]'``)."""
+    (the emulator's deterministic tokenizer, 4 UTF-8 bytes per token), the served model's Hugging
+    Face folder (its ``tokenizer.json``, and its chat template for chat requests: the folder vLLM
+    serves, or a copy of its tokenizer files) or the path of a ``tokenizer.json`` alone (chat
+    requests then match approximately) (``pip install 'phasewise[tokenizer]'``)."""
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     """Where precise mode reads each instance's KV events from."""
 
@@ -746,8 +751,7 @@ def _slice_profiles(kubernetes: Any) -> Mapping[Any, Any]:
 def profile_checks(profile: Any, prefix: Any, endpoint_profiles: Any = (),
                    slice_profiles: Mapping[Any, Any] | None = None) -> list[tuple[tuple, str]]:
     """``(field path, message)`` of each check that needs the hardware profile: ``profile`` must
-    load (a known name or a readable profile YAML), and ``prefix.block_size``, when set, must equal
-    its block size (the policies count a match's cached tokens in the profile's blocks); each
+    load (a known name or a readable profile YAML); each
     ``endpoints[i].profile`` and ``kubernetes.profiles`` value must load and be of its model and
     block size (``routerd.profiles.check_pool``). Values of
     the wrong type are left to the field validation, which names them; so is a profile path that
@@ -769,11 +773,6 @@ def profile_checks(profile: Any, prefix: Any, endpoint_profiles: Any = (),
     prof, out = load(profile, ("profile",))
     if prof is None:
         return out
-    bs = prefix.get("block_size") if isinstance(prefix, Mapping) else None
-    if type(bs) is int and bs != prof.block_size:
-        out.append((("prefix", "block_size"), f"{bs} differs from the block_size {prof.block_size} of profile "
-                    f"{profile!r}; the policies count cached tokens in the profile's blocks: give a profile with "
-                    "vLLM's --block-size, or leave prefix.block_size unset"))
     own_profiles = [(("endpoints", i, "profile"), spec) for i, spec in enumerate(endpoint_profiles or ())]
     own_profiles += [(("kubernetes", "profiles", key), spec) for key, spec in (slice_profiles or {}).items()]
     for loc, spec in own_profiles:

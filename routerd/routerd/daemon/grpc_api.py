@@ -171,7 +171,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         max_age = d.settings.state.max_age_s
         eps = []
         for ep in router.endpoints:
-            msg = router_pb2.EndpointState(instance=ep.name, endpoint=ep.url, ready=ep.ready,
+            msg = router_pb2.EndpointState(instance=ep.name, endpoint=ep.url, ready=router.is_ready(ep, now),
                                            stale=ep.state_address is not None and ep.is_stale(now, max_age),
                                            in_flight=ep.in_flight)
             if ep.snapshot is not None:

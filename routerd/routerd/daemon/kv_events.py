@@ -52,7 +52,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from routerd.prefix.engine_index import EngineBlockIndex
-from routerd.prefix.kv_wire import KVEventError, decode_batch, parse_frames
+from routerd.prefix.kv_wire import KVEventError, UnknownEventType, decode_batch, parse_frames
 
 __all__ = ["EndpointStats", "KVEventSubscriber"]
 
@@ -71,6 +71,8 @@ class EndpointStats:
     """Messages whose application failed unexpectedly (a bug; logged with its traceback once)."""
     reopened: int = 0
     """Sockets opened again after the publisher's connection closed (:meth:`KVEventSubscriber._watch`)."""
+    unknown_events: int = 0
+    """Batches refused whole for an event type the decoder does not know (counted in ``malformed`` too)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -331,6 +333,8 @@ class KVEventSubscriber:
             batch = decode_batch(payload)
         except KVEventError as e:
             ep.stats.malformed += 1
+            if isinstance(e, UnknownEventType):
+                ep.stats.unknown_events += 1
             ep.index.record_malformed(seq)
             self._note(ep, detail=str(e))
             return

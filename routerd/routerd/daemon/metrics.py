@@ -22,17 +22,67 @@ _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
 
 #: Label values of ``phasewise_fallbacks_total{reason}``.
 FALLBACK_REASONS = ("policy_error", "policy_fallback", "stale_state", "hold_idle", "invalid_choice")
+#: Label values of ``phasewise_streams_broken_total{reason}``: the upstream connection closed or
+#: reset mid-stream, its HTTP framing broke, it stalled past ``upstream.read_timeout_s``, or its
+#: body ended cleanly without vLLM's terminal ``data: [DONE]`` event.
+STREAM_BROKEN_REASONS = ("closed", "malformed", "timeout", "no_done")
 
 #: Prefix lengths in KV blocks (16 tokens each by default): 0 (no match) up to 16,384 blocks;
 #: ``prefix.max_prompt_tokens``' default, 131,072 tokens, is 8,192 blocks of 16.
 _PREFIX_BLOCK_BUCKETS = (0, 1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+class EngineIndexCollector:
+    """Counters of every endpoint's KV-event index, read at each scrape from ``source()``:
+    ``{endpoint: (EngineBlockIndex, EndpointStats or None)}`` (the daemon's subscriptions).
+
+    * ``phasewise_prefix_kv_event_batches_total{endpoint,outcome}``: batches ``applied``,
+      ``missed`` (sequence gaps), ``duplicate``, ``malformed`` (not decodable, or holding an event
+      type the decoder does not know: ``unknown_type``, counted in both; the whole batch is refused
+      and the index goes stale, so nothing is applied in part);
+    * ``phasewise_prefix_engine_dropped_blocks_total{endpoint,cause}``: stored blocks not indexed,
+      by cause (``routerd.prefix.engine_index.DROP_CAUSES``: ``block_size`` is an event of another
+      size than the engine's learnt one);
+    * ``phasewise_prefix_engine_stale_total{endpoint,reason}``: times the index went stale, by reason.
+    """
+
+    def __init__(self, source: Callable[[], dict[str, tuple[Any, Any]]]) -> None:
+        self._source = source
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        batches = CounterMetricFamily("phasewise_prefix_kv_event_batches",
+                                      "KV-event batches per endpoint, by outcome (see EngineIndexCollector).",
+                                      labels=["endpoint", "outcome"])
+        dropped = CounterMetricFamily("phasewise_prefix_engine_dropped_blocks",
+                                      "Stored blocks an endpoint's KV-event index did not index, by cause.",
+                                      labels=["endpoint", "cause"])
+        stale = CounterMetricFamily("phasewise_prefix_engine_stale",
+                                    "Times an endpoint's KV-event index went stale, by reason.",
+                                    labels=["endpoint", "reason"])
+        for name, (idx, stats) in sorted(self._source().items()):
+            for outcome, v in (("applied", idx.batches_applied), ("missed", idx.batches_missed),
+                               ("duplicate", idx.batches_duplicate), ("malformed", idx.batches_malformed),
+                               ("unknown_type", getattr(stats, "unknown_events", 0) if stats is not None else 0)):
+                batches.add_metric([name, outcome], float(v))
+            for cause, v in idx.dropped_blocks.items():
+                dropped.add_metric([name, cause], float(v))
+            for reason, v in idx.stale_transitions.items():
+                stale.add_metric([name, reason], float(v))
+        yield batches
+        yield dropped
+        yield stale
+
+    def describe(self):
+        return []
+
+
 class EndpointMetrics:
     """The label children of one endpoint (resolved once)."""
 
     __slots__ = ("decisions", "in_flight", "err_connect", "err_status", "err_stream", "err_timeout", "ready",
-                 "state_stale", "ejections", "ejected", "prefix_index_blocks")
+                 "state_stale", "ejections", "ejected", "prefix_index_blocks", "streams_broken")
 
     def __init__(self, m: "Metrics", name: str, in_flight: Callable[[], float],
                  ejected: Callable[[], float] | None = None,
@@ -44,6 +94,7 @@ class EndpointMetrics:
         self.err_status = m.upstream_errors.labels(name, "status")
         self.err_stream = m.upstream_errors.labels(name, "stream")
         self.err_timeout = m.upstream_errors.labels(name, "timeout")
+        self.streams_broken = {r: m.streams_broken.labels(name, r) for r in STREAM_BROKEN_REASONS}
         self.ready = m.endpoint_ready.labels(name)
         self.state_stale = m.endpoint_state_stale.labels(name)
         self.ejections = m.ejections.labels(name)
@@ -99,6 +150,14 @@ class Metrics:
                                        "Upstream failures by endpoint and kind (connect, status = 5xx answer, "
                                        "stream = broken after the first byte, timeout).",
                                        ["endpoint", "kind"], registry=r)
+        self.streams_broken = Counter(
+            "phasewise_streams_broken",
+            "Streamed (SSE) answers that ended without vLLM's terminal 'data: [DONE]' event, by endpoint and "
+            "reason: closed (the upstream connection closed or reset mid-stream: an engine killed, a proxy in "
+            "between gone), malformed (broken HTTP framing), timeout (no byte for upstream.read_timeout_s), "
+            "no_done (the body ended cleanly without [DONE]). The client is told (an SSE error event, no "
+            "[DONE]); each is a 502 in phasewise_requests_total, never a completion.",
+            ["endpoint", "reason"], registry=r)
         self.retries = Counter("phasewise_upstream_retries",
                                "Requests re-sent to another endpoint after a failure before the first byte.",
                                registry=r)
@@ -108,8 +167,10 @@ class Metrics:
                                      registry=r)
         self.generation_tokens = Counter("phasewise_generation_tokens", "Output tokens of finished requests.",
                                          registry=r)
-        self.endpoint_ready = Gauge("phasewise_endpoint_ready", "1 while the endpoint takes new requests.",
-                                    ["endpoint"], registry=r)
+        self.endpoint_ready = Gauge("phasewise_endpoint_ready",
+                                    "1 while the endpoint takes new requests: its source says it is ready and its "
+                                    "sidecar's latest snapshot (younger than state.max_age_s) does not report it "
+                                    "unhealthy.", ["endpoint"], registry=r)
         self.endpoint_state_stale = Gauge("phasewise_endpoint_state_stale",
                                           "1 while the endpoint's sidecar state is stale or missing.",
                                           ["endpoint"], registry=r)
@@ -176,6 +237,28 @@ class Metrics:
             "phasewise_prefix_engine_index_stale",
             "1 while the endpoint's KV-event index is stale (a gap, a restart, garbage, silence): its prefix "
             "matches come from the approximate index; 0 while it answers.", ["endpoint"], registry=r)
+        self.prefix_engine_block_size = Gauge(
+            "phasewise_prefix_engine_block_size",
+            "Tokens per KV block of the endpoint's engine as its KV events report it (vLLM: 16 on most GPU "
+            "backends, 128 on the CPU build); its blocks are keyed in it. 0 before its first stored event.",
+            ["endpoint"], registry=r)
+        self.prefix_block_size_mismatch = Gauge(
+            "phasewise_prefix_block_size_mismatch",
+            "1 while the endpoint's engine reports another KV block size than prefix.block_size expects "
+            "(both named): routerd keys its blocks in the engine's size.", ["endpoint", "configured", "reported"],
+            registry=r)
+        self.prefix_problems = Counter(
+            "phasewise_prefix_identity_problems",
+            "Requests precise mode could not key on the engine's token ids, by reason (no_tokenizer: "
+            "prefix.tokenizer could not be loaded; chat_template: no usable chat template; chat_render: the template failed; chat_unsupported: a non-text message part; "
+            "tokenizer: encoding failed); they are matched against the approximate index.", ["reason"], registry=r)
+        self.prefix_engine_losses = Counter(
+            "phasewise_prefix_engine_cache_lost",
+            "Times an endpoint's engine lost what routerd believed it cached (restart, cache reset, lost "
+            "events, disconnect), by cause; every prefix index forgets the endpoint's blocks then.",
+            ["endpoint", "cause"], registry=r)
+        self._mismatch: dict[str, tuple[str, str]] = {}
+        self._losses: set[tuple[str, str]] = set()
         self.fallback_children = {reason: self.fallbacks.labels(reason) for reason in FALLBACK_REASONS}
         self._bucket_children: dict[tuple[str, str], Counter] = {}
         self._code_children: dict[int, Counter] = {}
@@ -199,14 +282,32 @@ class Metrics:
     def engine_index(self, name: str, index: Any) -> None:
         """Export endpoint ``name``'s KV-event index (read at each scrape); ``index`` None removes it."""
         if index is None:
-            for metric in (self.prefix_engine_blocks, self.prefix_engine_stale):
+            for metric in (self.prefix_engine_blocks, self.prefix_engine_stale, self.prefix_engine_block_size):
                 try:
                     metric.remove(name)
                 except KeyError:
                     pass
+            self.block_size_mismatch(name, None, None)
             return
         self.prefix_engine_blocks.labels(name).set_function(lambda: float(index.size))
         self.prefix_engine_stale.labels(name).set_function(lambda: float(index.check() is not None))
+        self.prefix_engine_block_size.labels(name).set_function(lambda: float(index.reported_block_size or 0))
+
+    def block_size_mismatch(self, name: str, configured: int | None, reported: int | None) -> None:
+        """Set endpoint ``name``'s ``phasewise_prefix_block_size_mismatch`` to the pair (one series;
+        ``reported`` None clears it)."""
+        old = self._mismatch.pop(name, None)
+        if old is not None:
+            self.prefix_block_size_mismatch.remove(name, *old)
+        if reported is not None and configured is not None and configured != reported:
+            labels = (str(configured), str(reported))
+            self._mismatch[name] = labels
+            self.prefix_block_size_mismatch.labels(name, *labels).set(1)
+
+    def count_engine_loss(self, name: str, cause: str) -> None:
+        """Count one loss of endpoint ``name``'s cached blocks (``phasewise_prefix_engine_cache_lost``)."""
+        self._losses.add((name, cause))
+        self.prefix_engine_losses.labels(name, cause).inc()
 
     def remove_endpoint(self, name: str) -> None:
         """Delete every series labelled with endpoint ``name``."""
@@ -217,6 +318,9 @@ class Metrics:
                 metric.remove(name)
             except KeyError:
                 pass
+        for key in [k for k in self._losses if k[0] == name]:
+            self._losses.discard(key)
+            self.prefix_engine_losses.remove(*key)
         for key in [k for k in self._prefix_fallback_children if k[0] == name]:
             del self._prefix_fallback_children[key]
             try:
@@ -226,6 +330,11 @@ class Metrics:
         for kind in ("connect", "status", "stream", "timeout"):
             try:
                 self.upstream_errors.remove(name, kind)
+            except KeyError:
+                pass
+        for reason in STREAM_BROKEN_REASONS:
+            try:
+                self.streams_broken.remove(name, reason)
             except KeyError:
                 pass
 

@@ -1,11 +1,14 @@
 """Which models each endpoint serves, read from its own ``/v1/models`` (issue 15).
 
 vLLM answers ``GET /v1/models`` with the served model name(s) and every loaded LoRA adapter
-(``vllm/entrypoints/openai/serving_models.py``: ``show_available_models``), in the OpenAI
+(``vllm/entrypoints/openai/models/serving.py``: ``show_available_models``), in the OpenAI
 shape ``{"object": "list", "data": [{"id": NAME, ...}, ...]}``. :class:`ModelLister` reads
 it from every endpoint at start, every ``refresh_s`` after, and soon after :meth:`poke`
 (the proxy pokes an endpoint that answered 404: an adapter unloaded, a model swapped; a
-reload pokes every endpoint when ``models`` or ``endpoints[].models`` change).
+reload pokes every endpoint when ``models`` or ``endpoints[].models`` change). The cards of the
+last good read are kept (:attr:`ModelLister.cards`): routerd's own ``/v1/models`` answers with them,
+merged over the endpoints by :func:`merge_cards`, so a client sees vLLM's fields (``root``,
+``parent``, ``max_model_len``, ...) through routerd.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import aiohttp
 
@@ -29,8 +32,12 @@ MAX_LIST_BYTES = 4 * 1024 * 1024
 MAX_ID_CHARS = 1024
 
 
-def parse_models(body: bytes) -> list[str]:
-    """The model ids of an OpenAI ``/v1/models`` answer, less ids over :data:`MAX_ID_CHARS`.
+def parse_model_cards(body: bytes) -> list[dict[str, Any]]:
+    """The model cards (``data`` entries, as sent) of an OpenAI ``/v1/models`` answer, less those
+    whose id is over :data:`MAX_ID_CHARS`. vLLM's carry ``id``, ``object``, ``created``,
+    ``owned_by``, ``root`` (the model's path, or the adapter's), ``parent`` (a LoRA adapter's base
+    model, else null), ``max_model_len`` (null for an adapter) and ``permission``
+    (``vllm/entrypoints/openai/models/serving.py``, ``show_available_models``).
 
     Raises:
         ValueError: not JSON, no ``data`` list, or an entry without a string ``id``.
@@ -39,14 +46,57 @@ def parse_models(body: bytes) -> list[str]:
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list):
         raise ValueError("no 'data' list")
-    ids = []
+    cards = []
     for i, m in enumerate(data):
         mid = m.get("id") if isinstance(m, dict) else None
         if not isinstance(mid, str) or not mid:
             raise ValueError(f"data[{i}] has no string 'id'")
         if len(mid) <= MAX_ID_CHARS:
-            ids.append(mid)
-    return ids
+            cards.append(m)
+    return cards
+
+
+def parse_models(body: bytes) -> list[str]:
+    """The model ids of an OpenAI ``/v1/models`` answer (:func:`parse_model_cards`).
+
+    Raises:
+        ValueError: not JSON, no ``data`` list, or an entry without a string ``id``.
+    """
+    return [c["id"] for c in parse_model_cards(body)]
+
+
+def merge_cards(ids: Sequence[str], listed: Sequence[Mapping[str, Mapping[str, Any]]],
+                created: int) -> list[dict[str, Any]]:
+    """One model card per id of ``ids``, in that order: routerd's ``/v1/models`` data.
+
+    ``listed``: the cards (by id) of each endpoint's list, in order of preference (routerd puts
+    the ready endpoints first). An id's card is a copy of the first list's that has it, every
+    field as the engine sent it, except ``max_model_len``: the smallest integer any list gives
+    for the id (a request may land on any endpoint serving it, so the smallest is what a client
+    can count on; vLLM's null, an adapter's, is no figure, and stays when no list has one). An
+    id no list has (a configured model, a name only a sidecar reported) gets routerd's own card
+    ``{"id", "object": "model", "created": created, "owned_by": "phasewise"}`` (``created``:
+    Unix time, s).
+    """
+    out = []
+    for mid in ids:
+        card: dict[str, Any] | None = None
+        lengths = []
+        for cards in listed:
+            c = cards.get(mid)
+            if c is None:
+                continue
+            if card is None:
+                card = dict(c)
+            n = c.get("max_model_len")
+            if type(n) is int and n > 0:
+                lengths.append(n)
+        if card is None:
+            card = {"id": mid, "object": "model", "created": created, "owned_by": "phasewise"}
+        elif lengths:
+            card["max_model_len"] = min(lengths)
+        out.append(card)
+    return out
 
 
 async def _read_capped(resp: aiohttp.ClientResponse) -> bytes | None:
@@ -112,6 +162,10 @@ class ModelLister:
         self._no_list: set[str] = set()
         """Endpoints whose ``/v1/models`` answered 404 (no such route) or more than
         :data:`MAX_LIST_BYTES`: no list to wait for, read every ``refresh_s`` only."""
+        self.cards: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {}
+        """Per endpoint name: (the URL read, its cards by id) of its last usable list, as reported
+        to ``on_models``; dropped when a read answers without a usable list or the endpoint goes
+        (bounded by :data:`MAX_LIST_BYTES` per endpoint)."""
 
     async def _session_(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -121,6 +175,11 @@ class ModelLister:
     async def fetch(self, name: str, url: str) -> Any:
         """The ids ``url``'s ``/v1/models`` lists; None when it answered without a usable list;
         :data:`UNREACHABLE` when it did not answer. Failures are logged once per failing streak."""
+        cards = await self.fetch_cards(name, url)
+        return [c["id"] for c in cards] if isinstance(cards, list) else cards
+
+    async def fetch_cards(self, name: str, url: str) -> Any:
+        """:meth:`fetch`, with the cards (:func:`parse_model_cards`) instead of their ids."""
         session = await self._session_()
         unreachable = False
         try:
@@ -150,7 +209,7 @@ class ModelLister:
                 return None
             if status != 200:
                 raise ValueError(f"HTTP {status}")
-            ids = parse_models(body)
+            cards = parse_model_cards(body)
         except (ValueError, UnicodeDecodeError) as e:
             if name not in self._failing:
                 self._failing.add(name)
@@ -164,19 +223,28 @@ class ModelLister:
             return UNREACHABLE if unreachable else None
         self._failing.discard(name)
         self._no_list.discard(name)
-        return ids
+        return cards
 
     async def refresh(self, names: set[str] | None = None) -> None:
         """Read the lists of ``names`` (None: every endpoint) concurrently and report them."""
         targets = [(n, u) for n, u in self.endpoints() if names is None or n in names]
         # Read now: a poke still pending for them (e.g. made when they joined) is answered too.
         self._poked.difference_update(n for n, _ in targets)
-        results = await asyncio.gather(*(self.fetch(n, u) for n, u in targets))
+        results = await asyncio.gather(*(self.fetch_cards(n, u) for n, u in targets))
         # An endpoint moved to another URL during the read: its answer is the old server's.
         current = set(self.endpoints())
-        for (n, u), ids in zip(targets, results):
-            if ids is not UNREACHABLE and (n, u) in current:
-                self.on_models(n, ids)
+        names_now = {n for n, _ in current}
+        for gone in [n for n in self.cards if n not in names_now]:
+            del self.cards[gone]  # no longer read (gone, or its models are configured now)
+        for (n, u), cards in zip(targets, results):
+            if cards is UNREACHABLE or (n, u) not in current:
+                continue
+            if cards is None:
+                self.cards.pop(n, None)
+                self.on_models(n, None)
+            else:
+                self.cards[n] = (u, {c["id"]: c for c in cards})
+                self.on_models(n, [c["id"] for c in cards])
 
     def poke(self, name: str) -> None:
         """Refresh ``name`` soon (its answer suggested its models changed)."""

@@ -3,7 +3,12 @@
 Requests wait in one bounded FIFO router queue. The policy decides on the queue head
 when a request arrives, after every completion, and every ``action_interval_s`` while
 requests are held (the simulator's rule, ``routerd.sim.cluster``), so a policy may hold
-(``pick`` returns None; ``late_binding``, ``dqn``). Only ready endpoints are candidates.
+(``pick`` returns None; ``late_binding``, ``dqn``). Only ready endpoints are candidates: ready
+by their source (config, EndpointSlice conditions) and not reported unhealthy by their sidecar
+(:meth:`Router.is_ready`). Fail open: while every ready endpoint serving the model is reported
+unhealthy, they are all candidates again (a sidecar whose scrapes time out under load must not
+empty the pool); their state is then stale, so the request goes round robin, counted in
+``phasewise_fallbacks_total{reason="stale_state"}``.
 
 Fail open: when the policy raises, returns something that is not a candidate, or every
 candidate's sidecar state is stale, the request goes round robin and
@@ -438,6 +443,18 @@ class Router:
         i = ep.index
         return sum(ix.size(i) for ix in self._live_indexes())
 
+    def forget_cached(self, name: str, cause: str) -> None:
+        """Endpoint ``name``'s engine lost its prefix cache (``cause``: a restart, a reset, a refused
+        connect): every live policy's approximate index forgets what it believed cached there, so
+        no request is scored against blocks the engine no longer has (the engine index clears
+        itself). Counted in ``phasewise_prefix_engine_cache_lost``."""
+        ep = self.by_name.get(name)
+        if ep is None:
+            return
+        self._forget_prefixes(ep.index)
+        ep.pending.clear()
+        self.metrics.count_engine_loss(name, cause)
+
     def _forget_prefixes(self, index: int) -> None:
         for ix in self._live_indexes():
             ix.forget(index)
@@ -476,6 +493,7 @@ class Router:
             prof = self._profile_of(d)
             if ep is None:
                 ep = EndpointState(len(self.endpoints), d.name, d.url, d.state_address, d.ready, prof)
+                ep.clock = self.clock
                 ep.m = self.metrics.endpoint(d.name, ep.requests.__len__,
                                              lambda ep=ep: 1.0 if ep.ejected_until > self.clock() else 0.0,
                                              lambda ep=ep: float(self.prefix_index_blocks(ep)))
@@ -506,7 +524,7 @@ class Router:
                 fresh = True
             if fresh and lists_read and not configured:
                 ep.models_pending = True
-            ep.m.ready.set(1 if ep.ready else 0)
+            ep.m.ready.set(1 if self.is_ready(ep) else 0)
         self._cands = None
         for ep in list(self.endpoints):
             if ep.name not in seen and not ep.removed:
@@ -592,12 +610,29 @@ class Router:
         ep = self.by_name.get(name)
         if ep is not None:
             before = ep.snapshot.models if ep.snapshot is not None else None
-            ep.set_snapshot(state, self.clock())
+            now = self.clock()
+            was_unhealthy = ep.sidecar_unhealthy(now, self.state_max_age_s)
+            ep.set_snapshot(state, now)
             if list(state.models) != (list(before) if before is not None else None):
                 self._rebuild_models()  # the models it serves may have changed
                 self._cands = None
+            if ep.sidecar_unhealthy(now, self.state_max_age_s) != was_unhealthy:
+                self._health_changed(ep, state)
             if self.queue:
                 self._decide()
+
+    def _health_changed(self, ep: EndpointState, state: Any) -> None:
+        """``ep``'s sidecar turned it unhealthy or healthy again: candidates, the ready gauge and
+        readiness (``/readyz``, gRPC health) follow at once; said once per change."""
+        self._cands = None
+        ep.m.ready.set(1 if self.is_ready(ep) else 0)
+        if state.healthy:
+            log.info("endpoint %s: its sidecar reports it healthy again", ep.name)
+        else:
+            log.warning("endpoint %s: its sidecar reports it unhealthy (%s): not ready, no new requests while "
+                        "another endpoint serving its models is ready", ep.name, state.error or "no reason given")
+        if self.on_ready_change is not None:
+            self.on_ready_change()
 
     def set_discovered_models(self, name: str, models: Sequence[str] | None) -> None:
         """What endpoint ``name``'s ``/v1/models`` listed; None: it answered without a usable list
@@ -762,10 +797,17 @@ class Router:
         return self._by_model.get(model, self._unlisted)
 
     # -- queries -----------------------------------------------------------------
+    def is_ready(self, ep: EndpointState, now: float | None = None) -> bool:
+        """Whether ``ep`` takes new requests at ``now`` (default: the clock): ready by its source and
+        not reported unhealthy by its sidecar (:meth:`EndpointState.sidecar_unhealthy`). Connect
+        cooldowns and ejections are apart (passive health, see :meth:`_candidates`)."""
+        return ep.ready and not ep.sidecar_unhealthy(self.clock() if now is None else now, self.state_max_age_s)
+
     @property
     def ready_count(self) -> int:
-        """Endpoints that take new requests."""
-        return sum(1 for ep in self.endpoints if ep.ready)
+        """Endpoints that take new requests (:meth:`is_ready`)."""
+        now = self.clock()
+        return sum(1 for ep in self.endpoints if self.is_ready(ep, now))
 
     @property
     def in_flight(self) -> int:
@@ -797,7 +839,11 @@ class Router:
                     prefix: "PrefixBlocks | None" = None) -> Inflight:
         """A request as the router sees it before dispatch (prompt in tokens, its leading KV blocks
         as ``prefix`` or None: :mod:`routerd.daemon.prefix`); it goes only to endpoints serving
-        ``model`` (None: any)."""
+        ``model`` (None: any). A prefix that counted the prompt's tokens exactly (precise mode
+        tokenized all of it: ``EngineKeyed.prompt_tokens``) replaces the front's estimate."""
+        exact = getattr(prefix, "prompt_tokens", None)
+        if exact:
+            prompt_tokens = exact
         rid = self._next_id
         self._next_id = rid + 1
         now = self.clock()
@@ -893,6 +939,9 @@ class Router:
         ep = r.endpoint
         if ep is None or not ep.remove(r):
             return False
+        if r.pending is not None:
+            ep.end_pending(r.pending)
+            r.pending = None
         now = self.clock()
         if not ep.requests:
             ep.idle_since = now
@@ -919,6 +968,11 @@ class Router:
         first, generated = r.first_token, r.generated
         if not old.remove(r):
             return False
+        if r.pending is not None:
+            # Its blocks are on their way to the engine that served it, not the one first picked.
+            for k in r.pending:
+                old.pending.pop(k, None)
+            ep.note_pending(r.pending)
         now = self.clock()
         if not old.requests:
             old.idle_since = now
@@ -940,11 +994,15 @@ class Router:
         return True
 
     def note_connect_failure(self, ep: EndpointState) -> None:
-        """An upstream connect failed: keep new requests off ``ep`` for a doubling cooldown."""
+        """An upstream connect failed: keep new requests off ``ep`` for a doubling cooldown. The
+        engine is down, so what it cached is gone: its engine index and every policy's approximate
+        index forget it (:meth:`forget_cached`)."""
         ep.connect_failures += 1
         self._cands = None
         if ep.engine_index is not None:
-            ep.engine_index.engine_down()
+            ep.engine_index.engine_down()  # its on_loss calls forget_cached
+        else:
+            self.forget_cached(ep.name, "engine_down")
         base = self.failure_cooldown_s
         if base > 0:
             # The exponent is capped: 2.0 ** 1024 overflows a float (issue 15: every request then
@@ -1038,11 +1096,13 @@ class Router:
                                         seed=seed)  # type: ignore[arg-type]
 
     def _candidates(self, exclude, now: float, model: str | None = None) -> list[EndpointState]:
-        """Ready endpoints not in ``exclude`` and not cooling down (all ready ones if every one is).
+        """Ready endpoints (:meth:`is_ready`) not in ``exclude`` and not cooling down (all ready ones
+        if every one is). Fail open twice: every endpoint ready by its source but reported unhealthy
+        by its sidecar -> those; every one of them cooling down or ejected -> those.
 
-        Without exclusions the list is reused until the endpoint table or a cooldown
-        changes, or the earliest cooldown ends: it is rebuilt at most that often instead
-        of at every decision. Callers must not modify it.
+        Without exclusions the list is reused until the endpoint table, a cooldown or a sidecar's
+        health changes, or the earliest cooldown or unhealthy snapshot ends: it is rebuilt at most
+        that often instead of at every decision. Callers must not modify it.
         """
         # Keyed by the endpoint list, not the raw name: with no lists known any model name is
         # accepted, and a cache per client-chosen name would grow without bound.
@@ -1051,13 +1111,25 @@ class Router:
             c = self._cands.get(key)
             if c is not None and c[1] <= now < c[2]:
                 return c[0]
-        ready = [ep for ep in self._eps_for(model) if ep.ready and ep.name not in exclude]
+        listed = [ep for ep in self._eps_for(model) if ep.ready and ep.name not in exclude]
+        max_age = self.state_max_age_s
+        ready: list[EndpointState] = []
+        unhealthy = False
+        for ep in listed:
+            if ep.sidecar_unhealthy(now, max_age):
+                unhealthy = True
+            else:
+                ready.append(ep)
+        # Every one reported unhealthy: try them anyway (fail open, see the module docstring).
+        ready = ready or listed
         # Every ready endpoint cooling down or ejected: try them anyway (the ejection cap keeps
         # this rare); a request is better sent than refused.
         cands = [ep for ep in ready if ep.down_until <= now and ep.ejected_until <= now] or ready
         if not exclude:
-            until = min((t for ep in ready for t in (ep.down_until, ep.ejected_until) if t > now),
-                        default=float("inf"))
+            # Not kept while one is reported unhealthy: that also ends with time (its snapshot ages),
+            # and such spells are rare enough to rebuild the list at each decision meanwhile.
+            until = now if unhealthy else min(
+                (t for ep in ready for t in (ep.down_until, ep.ejected_until) if t > now), default=float("inf"))
             if self._cands is None:
                 self._cands = {}
             self._cands[key] = (cands, now, until)
@@ -1177,23 +1249,37 @@ class Router:
             if r.features.prefix is not None:
                 idx = ep.engine_index
                 m = None
+                cached: int | None = None  # tokens, in the engine's own blocks
                 if idx is not None:
                     # Blocks this request adds to the engine: its KV events should follow once it
                     # is prefilled (the index's "silent" rule, started at its first token, so an
                     # engine that refuses it does not look silent); engine keys only.
-                    m = ep.engine_match(r.features.prefix)
-                    if m is not None:
-                        r.uncached_blocks = r.features.prefix.num_blocks - m
+                    cached = ep.engine_match(r.features.prefix)
+                    if cached is not None:
+                        ebs = idx.block_size or r.features.prefix.block_size
+                        ids = getattr(r.features.prefix, "ids", None)
+                        total = (len(ids) // ebs if ids is not None else r.features.prefix.num_blocks)
+                        r.uncached_blocks = total - cached // ebs
                         r.kv_batches = idx.batches_applied
+                        if r.uncached_blocks > 0:
+                            # Its blocks count as cached there until its events come (or it ends).
+                            keyed = r.features.prefix.at(ebs) if ids is not None else r.features.prefix
+                            r.pending = [k for k, _ in keyed.extents]
+                            ep.note_pending(r.pending)
+                        # vLLM computes the last prompt token whatever is cached and counts hits in
+                        # whole blocks below it (vllm/v1/core/kv_cache_manager.py, get_computed_blocks).
+                        cached = min(cached, max(0, (r.prompt_tokens - 1) // ebs * ebs))
                 if reason is None:
-                    if m is not None:
-                        self._prefix_match_precise.observe(m)  # what the engine holds
+                    if cached is not None:
+                        self._prefix_match_precise.observe(cached // ep.block_size)  # what the engine holds
                     else:
                         m = self._observe_prefix(prefix_ix, ep.index)
-                if m:
+                        if m:
+                            cached = min(m * ep.block_size, r.prompt_tokens - 1)
+                if cached:
                     # Its prefill backlog there is what the cache does not hold (the simulator's
-                    # views count it net of hits too); vLLM always computes the last token.
-                    r.cached_tokens = min(m * ep.block_size, r.prompt_tokens - 1)
+                    # views count it net of hits too).
+                    r.cached_tokens = cached
             self._assign(r, ep, now, reason)
             if prefix_ix:
                 self._flush_soon(prefix_ix)

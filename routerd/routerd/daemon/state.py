@@ -17,7 +17,9 @@ instance) are in :mod:`routerd.daemon.bookkeeping`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
 
 from routerd.daemon.bookkeeping import Inflight, RequestBook
@@ -70,6 +72,12 @@ class EndpointState(RequestBook):
         daemon's KV-event subscriber), or None."""
         self.on_prefix_fallback: Any = None
         """Called with a reason when its engine index cannot answer (``phasewise_prefix_fallbacks_total``)."""
+        self.pending: OrderedDict[int, float] = OrderedDict()
+        """Precise mode: engine-block keys of prompts dispatched here whose ``BlockStored`` events may
+        not have come yet, with the monotonic time until which they count as cached (see
+        :meth:`note_pending`)."""
+        self.clock: Callable[[], float] = time.monotonic
+        """The router's clock (s), for :attr:`pending`'s expiry."""
         self.ready = ready
         self.removed = False
         """Gone from the endpoint source: no new requests, dropped once its requests finish."""
@@ -127,19 +135,83 @@ class EndpointState(RequestBook):
 
     def engine_cached_blocks(self, prefix: Any) -> int | None:
         """Leading blocks of ``prefix`` its engine caches, from its KV events
-        (``routerd.prefix.index.engine_cached_blocks`` asks, in precise mode), or None: no event
-        index, a prefix not keyed from token ids (``routerd.daemon.prefix.EngineKeyed``: text
-        chunks never match engine keys), or a stale index (counted with its reason). None makes
-        the policy use its approximate index for this endpoint."""
+        (``routerd.prefix.index.engine_cached_blocks`` asks, in precise mode), in this view's blocks
+        (``block_size``, the profile's), or None: no event index, a prefix not keyed from token ids
+        (``routerd.daemon.prefix.EngineKeyed``: text chunks never match engine keys), or a stale
+        index (counted with its reason). None makes the policy use its approximate index for this
+        endpoint. The engine's own block size may differ (vLLM's CPU build caches in blocks of 128):
+        its index answers in its blocks, converted here through tokens (rounded down)."""
         idx = self.engine_index
         if idx is None:
             return None  # approximate mode: asked of every candidate, so answered first
         if not isinstance(prefix, EngineKeyed):
             return None  # engine_match's answer, without its frame: this runs per candidate
-        n = idx.cached_blocks(prefix)
-        if n is None and self.on_prefix_fallback is not None:
-            self.on_prefix_fallback(idx.stale_reason or "stale")
+        # Before the engine's first stored block its size is unknown: its (empty) index answers in
+        # the request's own blocks.
+        ebs = idx.block_size or prefix.block_size
+        keyed = prefix if ebs == prefix.block_size else prefix.at(ebs)
+        n = idx.cached_blocks(keyed)
+        if n is None:
+            if self.on_prefix_fallback is not None:
+                self.on_prefix_fallback(idx.stale_reason or "stale")
+            return None
+        if self.pending:
+            n = self._with_pending(keyed, n)
+        return n if ebs == self.block_size else n * ebs // self.block_size
+
+    # -- blocks on their way (precise mode) -----------------------------------------------------------
+    #: Longest a dispatched prompt's blocks count as cached without their events (s), and how long
+    #: after its request ended (s): vLLM publishes a step's ``BlockStored`` right after the step
+    #: (``vllm/v1/core/sched/scheduler.py``, ``update_from_output``), so events are due by the
+    #: first token; the grace covers their way through ZMQ and this event loop.
+    PENDING_MAX_S = 60.0
+    PENDING_GRACE_S = 2.0
+    #: Most keys kept (the oldest go first): a bound on memory whatever the traffic.
+    PENDING_MAX_KEYS = 65_536
+
+    def note_pending(self, keys: list[int], until: float | None = None) -> None:
+        """Prompt blocks (keys in the engine's block size) of a request dispatched here: they count as
+        cached here until ``until`` (default: :attr:`PENDING_MAX_S` from now) or its events say
+        otherwise. Without this, a request sharing a prefix with one dispatched a moment earlier
+        (a burst on one system prompt, a client's quick next turn) finds nothing in the engine
+        index, whose ``BlockStored`` events have not arrived yet, and is routed on load alone
+        (seen on real vLLM: a repeat sent as soon as its first answer came found 0 estimated where
+        vLLM had 256 tokens cached)."""
+        p = self.pending
+        now = self.clock()
+        while p and next(iter(p.values())) <= now:  # the oldest noted first: drop what expired
+            p.popitem(last=False)
+        t = now + self.PENDING_MAX_S if until is None else until
+        for k in keys:
+            p[k] = t
+            p.move_to_end(k)
+        while len(p) > self.PENDING_MAX_KEYS:
+            p.popitem(last=False)
+
+    def end_pending(self, keys: list[int]) -> None:
+        """The request whose blocks these are ended: its events have come or will within
+        :attr:`PENDING_GRACE_S`; after that only the engine index speaks for them."""
+        p = self.pending
+        t = self.clock() + self.PENDING_GRACE_S
+        for k in keys:
+            if p.get(k, 0.0) > t:
+                p[k] = t
+
+    def _with_pending(self, keyed: Any, n: int) -> int:
+        """``n`` (the engine index's leading run, in engine blocks) extended over keys still pending."""
+        p = self.pending
+        ext = keyed.extents
+        now = self.clock()
+        while n < len(ext):
+            t = p.get(ext[n][0])
+            if t is None:
+                break
+            if t <= now:
+                del p[ext[n][0]]
+                break
+            n += 1
         return n
+
 
     def on_first_token(self, r: Inflight) -> None:
         """:meth:`RequestBook.on_first_token`, and in precise mode: ``r``'s new blocks are now
@@ -153,12 +225,20 @@ class EndpointState(RequestBook):
         super().on_first_token(r)
 
     def engine_match(self, prefix: Any) -> int | None:
-        """:meth:`engine_cached_blocks` for routerd's own bookkeeping at dispatch: not counted as
-        a policy's fallback (``phasewise_prefix_fallbacks_total`` counts the policies' queries)."""
+        """Prompt tokens of ``prefix`` its engine caches (tokens, whole engine blocks), for routerd's
+        own bookkeeping at dispatch; None: no engine index, not engine-keyed, or stale. Not counted
+        as a policy's fallback (``phasewise_prefix_fallbacks_total`` counts the policies' queries)."""
         idx = self.engine_index
         if idx is None or not isinstance(prefix, EngineKeyed):
             return None
-        return idx.cached_blocks(prefix)
+        ebs = idx.block_size or prefix.block_size  # unknown before the engine's first stored block
+        keyed = prefix if ebs == prefix.block_size else prefix.at(ebs)
+        n = idx.cached_blocks(keyed)
+        if n is None:
+            return None
+        if self.pending:
+            n = self._with_pending(keyed, n)
+        return n * ebs
 
     @property
     def kv_usage(self) -> float:
@@ -171,6 +251,16 @@ class EndpointState(RequestBook):
         self.snapshot = state
         self.snapshot_at = now
         self._own_at_snapshot = len(self.requests)
+
+    def sidecar_unhealthy(self, now: float, max_age_s: float) -> bool:
+        """True while its sidecar's latest snapshot, younger than ``max_age_s`` (s), says the engine is
+        unhealthy (``healthy=False``: the sidecar's scrape of vLLM's ``/metrics`` failed: refused,
+        timed out, not 200, not a metrics page; ``routerd.sidecar.scraper``). Such an endpoint is not
+        ready (``Router.is_ready``). An older one says nothing any more (the sidecar itself is gone or
+        silent): the endpoint is then only stale, as without a sidecar, and passive health judges it."""
+        s = self.snapshot
+        return (self.state_address is not None and s is not None and not s.healthy
+                and now - self.snapshot_at <= max_age_s)
 
     def is_stale(self, now: float, max_age_s: float) -> bool:
         """True when the instance has a sidecar whose latest healthy snapshot is older than ``max_age_s``."""

@@ -42,27 +42,35 @@ _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class UpstreamError(Exception):
-    """The upstream exchange failed. ``before_first_byte``: no response byte had arrived."""
+    """The upstream exchange failed. ``before_first_byte``: no response byte had arrived.
+    ``reason``: what failed, as ``phasewise_streams_broken_total{reason}`` names it when it cut a
+    stream (``closed``, ``malformed``, ``timeout``; ``error`` for anything else)."""
 
     before_first_byte = False
+    reason = "error"
 
 
 class ConnectError(UpstreamError):
     """The TCP (or TLS) connection could not be made (refused, unreachable, timed out)."""
 
     before_first_byte = True
+    reason = "connect"
 
 
 class UpstreamBroken(UpstreamError):
-    """The connection closed or the response was malformed."""
+    """The connection closed (``reason`` ``closed``: an engine killed, a reset, a proxy in between
+    gone) or the response was malformed (``reason`` ``malformed``)."""
 
-    def __init__(self, message: str, before_first_byte: bool) -> None:
+    def __init__(self, message: str, before_first_byte: bool, reason: str = "malformed") -> None:
         super().__init__(message)
         self.before_first_byte = before_first_byte
+        self.reason = reason
 
 
 class UpstreamTimeout(UpstreamError):
     """No response byte for ``read_timeout_s``."""
+
+    reason = "timeout"
 
 
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
@@ -116,7 +124,7 @@ class _Conn(asyncio.Protocol):
             return
         if self.state != _DONE:
             self._fail(UpstreamBroken(f"connection closed ({exc or 'by the server'})",
-                                      before_first_byte=not self.got_bytes))
+                                      before_first_byte=not self.got_bytes, reason="closed"))
 
     def data_received(self, data: bytes) -> None:
         self.last_rx = self._time()

@@ -19,6 +19,7 @@ _FIELDS = {
     "--host": "host",
     "--port": "port",
     "--model": "model",
+    "--served-model-name": "served_model_name",
     "--profile": "profile",
     "--seed": "seed",
     "--fixed-timing": "fixed_timing",
@@ -26,6 +27,12 @@ _FIELDS = {
     "--enable-prefix-caching": "enable_prefix_caching",
     "--kv-events-config": "kv_events_config",
     "--kv-events-layout": "kv_events_layout",
+    "--block-size": "block_size",
+    "--num-gpu-blocks-override": "num_gpu_blocks_override",
+    "--max-model-len": "max_model_len",
+    "--lora-modules": "lora_modules",
+    "--enable-prompt-tokens-details": "enable_prompt_tokens_details",
+    "--tokenizer": "tokenizer",
 }
 
 
@@ -48,7 +55,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", default=None, help="TCP port (default 8000; 0 picks a free one, printed at start)")
-    p.add_argument("--model", default=None, help=f"served model name (default {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None,
+                   help=f"served model name (default {DEFAULT_MODEL}); with --served-model-name, only the "
+                        "'root' /v1/models shows (vLLM's --model path)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name requests use, as vLLM's flag (default: --model)")
     p.add_argument("--profile", default=None,
                    help=f"hardware profile name or YAML path (default {DEFAULT_PROFILE})")
     p.add_argument("--seed", default=None, help="seed of the filler text (default 0)")
@@ -62,7 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="automatic prefix caching, as vLLM V1 (default: the profile's prefix_caching, on in "
                         "every shipped profile): a prompt's token ids (the byte tokenizer's, 4 UTF-8 bytes per "
                         "token, of the prompt text or a chat request's 'role: content' lines; token-id "
-                        "prompts as given) are cached in full blocks (the profile's block_size, 16) and a later request's longest "
+                        "prompts as given) are cached in full blocks (--block-size, default the profile's "
+                        "block_size) and a later request's longest "
                         "cached prefix skips its prefill (the last prompt token is always computed); "
                         "counted in vllm:prefix_cache_queries/hits. Blocks of generated tokens are not "
                         "cached (vLLM caches them too; the emulator's filler output has no token ids to "
@@ -74,10 +86,61 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "engine step that changed the cache; block hashes are seeded per process (key "
                         "blocks by their token ids). replay_endpoint is not emulated. POST "
                         "/reset_prefix_cache publishes AllBlocksCleared")
+    p.add_argument("--block-size", default=None, metavar="TOKENS",
+                   help="tokens per KV block, as vLLM's flag (default: the profile's, 16 in the shipped "
+                        "profiles; vLLM's CPU build uses 128): the simulated cache, the KV events and "
+                        "vllm:cache_config_info follow it; the KV capacity in tokens stays the profile's")
+    p.add_argument("--num-gpu-blocks-override", default=None, metavar="N",
+                   help="KV-cache blocks, as vLLM's flag (capacity N x block size tokens; default: the "
+                        "profile's kv_capacity_tokens)")
+    p.add_argument("--max-model-len", default=None, metavar="TOKENS",
+                   help="longest prompt + output, as vLLM's flag (default: the profile's max_model_len)")
+    p.add_argument("--lora-modules", default=None, nargs="+", metavar="NAME=PATH",
+                   help="LoRA adapters as vLLM's flag: NAME=PATH or JSON {\"name\", \"path\", "
+                        "\"base_model_name\"}; listed in /v1/models, requests for them accepted and their "
+                        "KV blocks keyed apart (lora_name/lora_id in KV events); timed as the base model, "
+                        "nothing is loaded from PATH. Variable: space-separated")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true", default=None,
+                   help="usage.prompt_tokens_details.cached_tokens in responses, as vLLM's flag")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a Hugging Face model folder (or tokenizer.json): text prompts tokenized with it and "
+                        "chat messages rendered with its chat template, as vLLM; default: the byte tokenizer "
+                        "(4 UTF-8 bytes per token, chat as 'role: content' lines)")
     p.add_argument("--kv-events-layout", default=None, choices=("array", "map", "map-batch"),
                    help="msgpack layout of the events: array (vLLM <= 0.23, array_like structs), map "
                         "(default; vLLM >= 0.24: events as tagged maps in a positional batch), map-batch "
                         "(vLLM main: the batch a map too)")
+
+
+def parse_lora_modules(items: list[str], where: str = "--lora-modules") -> tuple:
+    """``--lora-modules`` values (``NAME=PATH`` or vLLM's JSON form) as :class:`LoraModule` entries.
+
+    Raises:
+        ConfigError: an entry that is neither, or JSON without ``name`` and ``path`` strings.
+    """
+    import json
+
+    from routerd.emulator.openai_api import LoraModule
+
+    out = []
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                d = json.loads(item)
+            except ValueError as e:
+                raise ConfigError(f"{where}: {item!r} is not JSON ({e})") from None
+            base = d.get("base_model_name") if isinstance(d, dict) else None
+            if not (isinstance(d, dict) and isinstance(d.get("name"), str) and d["name"]
+                    and isinstance(d.get("path"), str) and d["path"] and (base is None or isinstance(base, str))):
+                raise ConfigError(f"{where}: {item!r} needs string fields name and path (and optionally "
+                                  "base_model_name)")
+            out.append(LoraModule(d["name"], d["path"], base))
+            continue
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"{where}: expected NAME=PATH or a JSON object, got {item!r}")
+        out.append(LoraModule(name, path))
+    return tuple(out)
 
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None):
@@ -103,6 +166,10 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
             from routerd.emulator.kv_events import parse_kv_events_config
 
             v = parse_kv_events_config(str(v), where)
+        elif field == "lora_modules":
+            v = parse_lora_modules(v.split() if isinstance(v, str) else list(v), where)
+        elif field == "enable_prompt_tokens_details" and isinstance(v, str):
+            v = v.strip().lower() in ("1", "true", "yes", "on")
         elif field == "fixed_timing":
             parts = str(v).split(",")
             try:
@@ -134,8 +201,10 @@ async def _serve(settings) -> None:
         extra = f"; prefix caching {'on' if p.prefix_caching else 'off'}"
     if emu.kv_events is not None:
         extra += f"; KV events {emu.kv_events.endpoint} topic {settings.kv_events_config.topic!r}"
-    print(f"phasewise emulate: serving {settings.model!r} on {emu.url} ({mode}; max_model_len "
-          f"{p.max_model_len}, KV {p.kv_capacity_tokens} tokens{extra})", flush=True)
+    if settings.lora_modules:
+        extra += f"; LoRA {', '.join(m.name for m in settings.lora_modules)}"
+    print(f"phasewise emulate: serving {settings.served_name!r} on {emu.url} ({mode}; max_model_len "
+          f"{p.max_model_len}, KV {p.kv_capacity_tokens} tokens in blocks of {p.block_size}{extra})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -150,9 +219,10 @@ async def _serve(settings) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM; returns 0. Raises :class:`ConfigError` for bad settings."""
     settings = settings_from_args(args)
-    from routerd.emulator.server import load_profile
+    from routerd.emulator.server import load_emulator_tokenizer, resolve_profile
 
-    load_profile(settings.profile)  # fail before the event loop starts
+    resolve_profile(settings)  # fail before the event loop starts
+    load_emulator_tokenizer(settings)
     try:
         import uvloop
     except ImportError:

@@ -21,14 +21,27 @@ still applied at its exact simulated time, so a token can leave up to 0.5 ms ear
 Simulated time never runs backwards for later calls (see ``SimEngine._time``).
 
 The HTTP layer consumes a :class:`TokenStream` per request: either it sets
-``stream.sink`` (called with the token count as tokens appear) or it awaits
-``stream.wait(sent)``, which returns once more than ``sent`` tokens exist or the
-request has ended.
+``stream.sink`` (called with the token count once the engine's callback that produced
+tokens has returned) or it awaits ``stream.wait(sent)``, which returns once more than
+``sent`` tokens exist or the request has ended.
+
+Coalescing, as vLLM's API server: vLLM's ``RequestOutputCollector``
+(``vllm/v1/engine/output_processor.py``) merges a request's outputs while its consumer is
+behind, and the server sends everything pending as one SSE event per wake-up, so a
+stream may carry several tokens per event (a real 64-token stream came as 31-63 events).
+Here tokens accumulate per stream and one ``loop.call_soon`` callback per burst hands
+each dirty stream's sink its new count: when the loop keeps up, every engine iteration
+is a timer callback of its own and each event holds one token; when the loop is late
+(loaded, or iterations shorter than the timer's millisecond resolution) the iterations
+applied in one callback reach the client as one event.
 
 Prefix caching (vLLM V1's automatic prefix caching, on unless the profile or
 ``--no-enable-prefix-caching`` turns it off): :class:`SimEngine` gives each request the
 prefix identity of its prompt's token ids (:func:`routerd.prefix.text.token_prefix_blocks`,
-one key per full block of ``block_size`` tokens), and the simulator's prefix cache
+one key per full block of ``block_size`` tokens, the LoRA adapter's name and the request's
+``cache_salt`` mixed in as vLLM's extra keys, :func:`routerd.prefix.text.request_extra_keys`,
+so an adapter's or a salted request shares no block with the base model's), and the
+simulator's prefix cache
 (:mod:`routerd.prefix.cache`) does the rest: the longest cached prefix of whole blocks is
 reused (the last prompt token is always computed), its prefill skipped, counted in
 ``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries`` (tokens, at a request's first
@@ -52,7 +65,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import numpy as np
 
 from routerd.prefix.kv_wire import AllBlocksCleared
-from routerd.prefix.text import token_prefix_blocks
+from routerd.prefix.text import request_extra_keys, token_prefix_blocks
 from routerd.profiles import HardwareProfile
 from routerd.sim.instance import SimInstance
 from routerd.sim.request import DECODE, DONE, SimRequest
@@ -70,7 +83,7 @@ class TokenStream:
     """One request inside an engine: its token count and lifecycle times (event-loop seconds)."""
 
     __slots__ = ("id", "prompt_tokens", "max_tokens", "arrival_s", "first_token_s", "last_token_s",
-                 "finish_s", "generated", "done", "aborted", "sink", "_waiter", "_wake_at", "_sim")
+                 "finish_s", "generated", "done", "aborted", "sink", "_waiter", "_wake_at", "_sim", "_dirty")
 
     def __init__(self, id: int, prompt_tokens: int, max_tokens: int, arrival_s: float) -> None:
         self.id = id
@@ -88,12 +101,22 @@ class TokenStream:
         """True once all ``max_tokens`` exist or the request was aborted."""
         self.aborted = False
         self.sink: Callable[[int], None] | None = None
-        """When set, called synchronously with ``generated`` as tokens appear, instead of
-        waking :meth:`wait` (a streaming response writes them out at once; waking a task
-        per token cost about a third of the emulator's CPU)."""
+        """When set, called with ``generated`` once per engine callback that produced tokens
+        (all of them at once: see the module docstring on coalescing), instead of waking
+        :meth:`wait` (a streaming response writes them out at once; waking a task per token
+        cost about a third of the emulator's CPU)."""
         self._waiter: asyncio.Future[None] | None = None
         self._wake_at = 1
         self._sim: SimRequest | None = None
+        self._dirty = False
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache at its first admission (vLLM's
+        ``num_cached_tokens``, ``usage.prompt_tokens_details.cached_tokens``); 0 before it or
+        without a prefix cache."""
+        r = self._sim
+        return r.cached_tokens if r is not None and r.cached_tokens > 0 else 0
 
     async def wait(self, sent: int) -> int:
         """Wait until more than ``sent`` tokens exist or the request ended; returns ``generated``."""
@@ -161,12 +184,17 @@ class Engine(Protocol):
 
     prefix_caching: bool
     """True when :meth:`submit` uses the prompt's token ids (automatic prefix caching is on)."""
+    block_size: int
+    """KV block size (tokens)."""
 
-    def submit(self, prompt_tokens: int, max_tokens: int, tokens: np.ndarray | None = None) -> TokenStream:
+    def submit(self, prompt_tokens: int, max_tokens: int, tokens: np.ndarray | None = None,
+               lora: tuple[str, int] | None = None, cache_salt: str | None = None) -> TokenStream:
         """Start a request of ``prompt_tokens`` prompt tokens that generates ``max_tokens`` tokens.
 
         ``tokens``: the prompt's token ids (uint32, ``len == prompt_tokens``) when
         :attr:`prefix_caching`, for its prefix identity; None: no identity (never a hit).
+        ``lora``: ``(name, id)`` of its LoRA adapter (None: the base model); ``cache_salt``: the
+        request's salt. Both go into its blocks' identity (vLLM's extra keys).
         """
 
     def reset_prefix_cache(self) -> bool:
@@ -196,6 +224,7 @@ class _EngineBase(ABC):
         self._timer_t = 0.0
         self._ids = itertools.count()
         self._stats = EngineStats()
+        self._dirty: list[TokenStream] = []  # streams with a sink and tokens not yet handed to it
 
     def _tokens(self, s: TokenStream, n: int, t: float) -> None:
         """``s`` has ``n`` tokens at ``t`` (``n > s.generated``)."""
@@ -214,9 +243,26 @@ class _EngineBase(ABC):
         s.generated = n
         s.last_token_s = t
         if s.sink is not None:
-            s.sink(n)
+            if not s._dirty:
+                s._dirty = True
+                if not self._dirty:
+                    self._loop.call_soon(self._flush)
+                self._dirty.append(s)
         elif n >= s._wake_at:
             s._wake()
+
+    def _flush(self) -> None:
+        """Hand each stream's sink everything produced since its last call (one SSE event each).
+
+        Runs once per burst of engine callbacks (``call_soon``), before any handler the same
+        callbacks woke: a stream's last tokens are written before its end is.
+        """
+        dirty, self._dirty = self._dirty, []
+        for s in dirty:
+            s._dirty = False
+            sink = s.sink
+            if sink is not None:
+                sink(s.generated)
 
     def _end(self, s: TokenStream, t: float) -> None:
         s.done = True
@@ -278,7 +324,7 @@ class SimEngine(_EngineBase):
         self.profile = profile
         self.inst = SimInstance(0, profile, self._on_event, self._on_first_token, self._on_finish)
         self.prefix_caching = self.inst.pc is not None
-        self.bs = profile.block_size
+        self.bs = self.block_size = profile.block_size
         self._publisher = kv_events
         self._tracker = None
         if kv_events is not None and self.inst.pc is not None:
@@ -381,10 +427,13 @@ class SimEngine(_EngineBase):
         t = self._loop.time()
         return t if t > self._now else self._now
 
-    def submit(self, prompt_tokens: int, max_tokens: int, tokens: np.ndarray | None = None) -> TokenStream:
+    def submit(self, prompt_tokens: int, max_tokens: int, tokens: np.ndarray | None = None,
+               lora: tuple[str, int] | None = None, cache_salt: str | None = None) -> TokenStream:
         """Enqueue a request now; the simulator admits it at its next step (see :class:`SimInstance`).
 
-        ``tokens`` (uint32 token ids of the prompt) give it prefix identity when caching is on.
+        ``tokens`` (uint32 token ids of the prompt) give it prefix identity when caching is on,
+        keyed apart per LoRA adapter ``lora`` (``(name, id)``) and ``cache_salt`` as vLLM's
+        block hashes are (``vllm/v1/core/kv_cache_utils.py``, ``generate_block_hash_extra_keys``).
         """
         now = self._time()
         self._advance(now)
@@ -394,13 +443,14 @@ class SimEngine(_EngineBase):
         r.keys = None
         s._sim = r
         if tokens is not None and self.prefix_caching:
-            pb = token_prefix_blocks(tokens, self.bs)
+            extra = request_extra_keys(lora[0] if lora else None, cache_salt, len(tokens) // self.bs)
+            pb = token_prefix_blocks(tokens, self.bs, extra_keys=extra)
             r.prefix = pb
             # The sequence's extents are the prompt's alone: output blocks stay hash-less.
             r.seq_ext = pb.extents
             if self._tracker is not None:
                 r.keys = [h for h, _ in pb.extents]
-                self._tracker.track(r.keys, tokens)
+                self._tracker.track(r.keys, tokens, extra, lora)
         self.inst.enqueue(r, now)
         self.inst.start(now)
         if self._tracker is not None:
@@ -468,6 +518,7 @@ class FixedTimingEngine(_EngineBase):
     def __init__(self, ttft_s: float, tpot_s: float, profile: HardwareProfile,
                  observer: EngineObserver | None = None) -> None:
         super().__init__(observer)
+        self.block_size = profile.block_size
         self.ttft_s = ttft_s
         self.tpot_s = tpot_s
         self.profile = profile
@@ -492,8 +543,10 @@ class FixedTimingEngine(_EngineBase):
                 heapq.heappush(heap, (s.arrival_s + ttft + n * tpot, s.id, s))
         self._set_timer(heap[0][0] if heap else None)
 
-    def submit(self, prompt_tokens: int, max_tokens: int, tokens: np.ndarray | None = None) -> TokenStream:
-        """Start a request now (no admission control; ``tokens`` unused: no prefix cache)."""
+    def submit(self, prompt_tokens: int, max_tokens: int, tokens: np.ndarray | None = None,
+               lora: tuple[str, int] | None = None, cache_salt: str | None = None) -> TokenStream:
+        """Start a request now (no admission control; ``tokens``, ``lora``, ``cache_salt`` unused:
+        no prefix cache)."""
         now = self._loop.time()
         s = TokenStream(next(self._ids), prompt_tokens, max_tokens, now)
         self._active[s.id] = s

@@ -10,16 +10,22 @@ What vLLM does with ``--kv-events-config '{"enable_kv_cache_events": true}'`` (r
   that changed the cache publishes one ``EventBatch`` as ``[topic, seq, payload]``, ``seq``
   counting from 0 in each process (a restarted engine starts again at 0).
 * ``BlockStored`` when full blocks become cached, with their token ids, the parent block's
-  hash, ``block_size``, ``lora_id`` None, ``medium`` "GPU" (and, as vLLM v0.2x, ``extra_keys``
-  ``[None]`` per block, ``group_idx`` 0, ``kv_cache_spec_kind`` "full_attention"); consecutive
-  blocks of one sequence stored in one step form one event. ``BlockRemoved`` per evicted
-  block. ``AllBlocksCleared`` when ``POST /reset_prefix_cache`` succeeds.
+  hash, ``block_size``, ``lora_id`` (the adapter's 1-based position in ``--lora-modules``, None
+  for the base model), ``medium`` "GPU", ``lora_name`` and, as vLLM 0.32, ``extra_keys`` per block
+  (None, or the adapter's name in every block and the request's ``cache_salt`` in block 0, in
+  the order ``[lora_name, cache_salt]``: ``vllm/v1/core/kv_cache_utils.py``,
+  ``generate_block_hash_extra_keys``), ``group_idx`` 0, ``kv_cache_spec_kind``
+  "full_attention"; consecutive blocks of one sequence stored in one step form one event
+  (checked against a real vLLM 0.32: ``[["a1", "s2"], ["a1"]]`` for adapter ``a1`` with salt
+  ``s2``). ``BlockRemoved`` per evicted block. ``AllBlocksCleared`` when
+  ``POST /reset_prefix_cache`` succeeds.
 * Block hashes are what vLLM's default ``sha256`` would give in spirit: a chain
-  ``d_i = sha256(d_{i-1} || token ids of block i as uint32 LE)`` from a seed drawn at random per
-  process (from ``PYTHONHASHSEED`` when set, as vLLM's ``init_none_hash``), sent as the low 64
-  bits as an int (vLLM's default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``). Not vLLM's exact
-  bytes (it hashes a pickled tuple) and never equal across processes: a consumer must key
-  blocks by the token ids (:func:`routerd.prefix.text.stored_block_keys`), not by these hashes.
+  ``d_i = sha256(d_{i-1} || token ids of block i as uint32 LE || repr(extra keys of block i))``
+  from a seed drawn at random per process (from ``PYTHONHASHSEED`` when set, as vLLM's
+  ``init_none_hash``), sent as the low 64 bits as an int (vLLM's default
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``). Not vLLM's exact bytes (it hashes a pickled tuple)
+  and never equal across processes: a consumer must key blocks by the token ids and extra keys
+  (:func:`routerd.prefix.text.stored_block_keys`), not by these hashes.
 
 Which blocks are cached and when they are evicted is the simulator's prefix cache
 (:mod:`routerd.prefix.cache`, vLLM V1's block pool), through its listener. Only prompt blocks
@@ -67,7 +73,7 @@ log = logging.getLogger(__name__)
 
 _U64 = (1 << 64) - 1
 #: struct unpackers of blocks of common sizes (faster than numpy for 16 ints)
-_UNPACK = {n: struct.Struct(f"<{n}I").unpack for n in (8, 16, 32, 64)}
+_UNPACK = {n: struct.Struct(f"<{n}I").unpack for n in (8, 16, 32, 64, 128, 256)}
 
 
 class KVEventsConfig(BaseModel):
@@ -119,11 +125,30 @@ def parse_kv_events_config(text: str, where: str = "--kv-events-config") -> KVEv
         raise ConfigError(f"{where}: {loc}: {err['msg']}") from None
 
 
+class _Meta:
+    """What one request's blocks carry besides token ids: per-block extra keys and its LoRA adapter."""
+
+    __slots__ = ("extra_keys", "lora_name", "lora_id")
+
+    def __init__(self, extra_keys: list | None, lora: tuple[str, int] | None) -> None:
+        self.extra_keys = extra_keys
+        self.lora_name, self.lora_id = lora if lora is not None else (None, None)
+
+    def block_extra(self, j: int):
+        """Block ``j``'s extra keys (a tuple or list), or None."""
+        ek = self.extra_keys
+        return ek[j] if ek is not None and j < len(ek) else None
+
+
+_PLAIN = _Meta(None, None)
+
+
 class BlockTracker:
     """The prefix cache's listener: turns its stored/removed/cleared calls into vLLM events.
 
     The engine tells it each request's prompt blocks (:meth:`track`, keys from
-    :func:`routerd.prefix.text.token_prefix_blocks`, one block per extent) and forgets them when
+    :func:`routerd.prefix.text.token_prefix_blocks`, one block per extent, with the request's
+    per-block extra keys and LoRA adapter) and forgets them when
     the request has left the cache (:meth:`untrack`). Memory: one entry per block of a live
     request (reference counted) plus one per cached block (at most the cache's blocks), each
     dropped when its request leaves or its block is evicted.
@@ -140,7 +165,7 @@ class BlockTracker:
             seed = env.encode() if env else os.urandom(32)
         self._none_hash = hashlib.sha256(b"phasewise-emulator" + seed).digest()
         # key -> [parent key or None, a request's token ids (little-endian uint32), block index,
-        # live requests]
+        # live requests, the request's _Meta]
         self._pending: dict[int, list] = {}
         # key -> (sha256 digest, the int hash sent), for blocks the cache holds
         self._cached: dict[int, tuple[bytes, int]] = {}
@@ -150,16 +175,23 @@ class BlockTracker:
         """Listener calls for blocks it was not told about (a bug elsewhere; counted, never raised)."""
 
     # -- requests
-    def track(self, keys: list[int], tokens: np.ndarray) -> None:
-        """A request with prompt block keys ``keys`` (block ``j`` = ``tokens[j*bs:(j+1)*bs]``) arrived."""
+    def track(self, keys: list[int], tokens: np.ndarray, extra_keys: list | None = None,
+              lora: tuple[str, int] | None = None) -> None:
+        """A request with prompt block keys ``keys`` (block ``j`` = ``tokens[j*bs:(j+1)*bs]``) arrived.
+
+        ``extra_keys``: per block the extra keys vLLM hashes in and publishes
+        (:func:`routerd.prefix.text.request_extra_keys`; None: none); ``lora``: ``(name, id)`` of
+        its adapter, None for the base model. Both must be what ``keys`` were computed with.
+        """
         pending = self._pending
         get = pending.get
         tokens = np.ascontiguousarray(tokens, dtype="<u4")
+        meta = _PLAIN if extra_keys is None and lora is None else _Meta(extra_keys, lora)
         parent = None
         for j, k in enumerate(keys):
             e = get(k)
             if e is None:
-                pending[k] = [parent, tokens, j, 1]
+                pending[k] = [parent, tokens, j, 1, meta]
             else:
                 e[3] += 1
             parent = k
@@ -200,12 +232,18 @@ class BlockTracker:
         else:
             d = self._none_hash
         for e in reversed(chain):
-            d = hashlib.sha256(d + self._block_bytes(e)).digest()
+            d = hashlib.sha256(d + self._hash_input(e)).digest()
         return d
 
     def _block_bytes(self, e: list) -> bytes:
         j, bs = e[2], self.bs
         return e[1][j * bs:(j + 1) * bs].tobytes()
+
+    def _hash_input(self, e: list) -> bytes:
+        """A block's token bytes, then its extra keys (so an adapter's or salted block hashes apart)."""
+        raw = self._block_bytes(e)
+        extra = e[4].block_extra(e[2])
+        return raw if extra is None else raw + repr(tuple(extra)).encode("utf-8", "backslashreplace")
 
     # -- CacheListener
     def stored(self, h: int, lo: int, hi: int) -> None:
@@ -227,22 +265,25 @@ class BlockTracker:
                     self.anomalies += 1
                     return
                 parent_ext = int.from_bytes(pd[-8:], "big")
-        raw = self._block_bytes(e)
-        d = hashlib.sha256(pd + raw).digest()
+        meta: _Meta = e[4]
+        extra = meta.block_extra(e[2])
+        d = hashlib.sha256(pd + self._hash_input(e)).digest()
         ext = int.from_bytes(d[-8:], "big")
         self._cached[h] = (d, ext)
+        raw = self._block_bytes(e)
         toks = list(_UNPACK[self.bs](raw)) if self.bs in _UNPACK else np.frombuffer(raw, "<u4").tolist()
+        ev_extra = None if extra is None else list(extra)
         evs = self.events
         if evs:
             last = evs[-1]
             if (type(last) is BlockStored and parent_ext is not None and last.block_hashes
-                    and last.block_hashes[-1] == parent_ext):
+                    and last.block_hashes[-1] == parent_ext and last.lora_name == meta.lora_name):
                 last.block_hashes.append(ext)
                 last.token_ids.extend(toks)
-                last.extra_keys.append(None)  # type: ignore[union-attr]
+                last.extra_keys.append(ev_extra)  # type: ignore[union-attr]
                 return
-        evs.append(BlockStored([ext], parent_ext, toks, self.bs, None, MEDIUM_GPU, None, [None], 0,
-                               "full_attention"))
+        evs.append(BlockStored([ext], parent_ext, toks, self.bs, meta.lora_id, MEDIUM_GPU, meta.lora_name,
+                               [ev_extra], 0, "full_attention"))
 
     def removed(self, h: int, lo: int, hi: int) -> None:
         """Block ``h`` was evicted."""

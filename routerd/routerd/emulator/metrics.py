@@ -83,12 +83,16 @@ class _EngineCollector(Collector):
     """Gauges and counters read from the engine at scrape time."""
 
     def __init__(self, stats: Callable[[], EngineStats], labels: list[str], block_size: int,
-                 num_blocks: int, prefix_caching: bool) -> None:
+                 num_blocks: int, prefix_caching: bool, num_blocks_override: int | None = None) -> None:
         self._stats = stats
         self._labels = labels
-        # vLLM's label values are str() of CacheConfig's fields.
-        self._cache_info = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
-                            "cache_dtype": "auto", "enable_prefix_caching": str(prefix_caching)}
+        # vLLM's label values are str() of CacheConfig's fields (a subset of vLLM 0.32's labels:
+        # the ones a router reads), and the engine index (``engine``) as on every vLLM series.
+        self._cache_info = {"block_size": str(block_size), "cache_dtype": "auto",
+                            "enable_prefix_caching": str(prefix_caching), "engine": labels[1],
+                            "kv_cache_size_tokens": str(block_size * num_blocks),
+                            "num_gpu_blocks": str(num_blocks), "num_gpu_blocks_override": str(num_blocks_override),
+                            "prefix_caching_hash_algo": "sha256"}
 
     def collect(self) -> Iterable[Metric]:
         st = self._stats()
@@ -107,6 +111,15 @@ class _EngineCollector(Collector):
 
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", st.running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", st.waiting)
+        by_reason = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; "
+            "'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all "
+            "reasons equals vllm:num_requests_waiting.", labels=names + ["reason"])
+        # The simulator's waiting requests all wait for capacity (no LoRA budget, no KV transfer).
+        by_reason.add_metric(v + ["capacity"], st.waiting)
+        by_reason.add_metric(v + ["deferred"], 0)
+        yield by_reason
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", st.kv_usage)
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=list(self._cache_info))
@@ -152,11 +165,12 @@ class EmulatorMetrics:
     Args:
         model_name: served model name (label ``model_name``).
         max_model_len: bounds the token-count histogram buckets (vLLM does the same).
-        block_size, num_blocks, prefix_caching: reported in ``vllm:cache_config_info``.
+        block_size, num_blocks, prefix_caching, num_blocks_override: reported in
+            ``vllm:cache_config_info`` (``num_blocks_override``: ``--num-gpu-blocks-override``, None unset).
     """
 
     def __init__(self, model_name: str, max_model_len: int, block_size: int, num_blocks: int,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, num_blocks_override: int | None = None) -> None:
         self.registry = CollectorRegistry()
         # vLLM serves the default registry, which carries these too (process_cpu_seconds_total etc.).
         ProcessCollector(registry=self.registry)
@@ -165,6 +179,7 @@ class EmulatorMetrics:
         self._block_size = block_size
         self._num_blocks = num_blocks
         self._prefix_caching = prefix_caching
+        self._num_blocks_override = num_blocks_override
         names = ["model_name", "engine"]
         r = self.registry
 
@@ -186,7 +201,7 @@ class EmulatorMetrics:
     def attach(self, stats: Callable[[], EngineStats]) -> None:
         """Read gauges and counters from ``stats`` (the engine's) at scrape time."""
         self.registry.register(_EngineCollector(stats, self._labels, self._block_size, self._num_blocks,
-                                                self._prefix_caching))
+                                                self._prefix_caching, self._num_blocks_override))
 
     def attach_kv_events(self, publisher) -> None:
         """Export ``publisher``'s counters (:class:`routerd.emulator.kv_events.ZmqEventPublisher`)."""

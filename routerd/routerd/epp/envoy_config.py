@@ -28,7 +28,9 @@ What it holds, and why:
   "overflow" under load (docs: gateway-epp.md);
 - efficient mode: a Lua filter counts the response's SSE events, keeps its last
   :data:`TAIL_BYTES` bytes (of its last three chunks) (UTF-8 safe) and the first chunk's time in dynamic metadata
-  ``phasewise`` (``events``, ``sse``, ``tail``, ``first_us``) at end of stream, and the gRPC
+  ``phasewise`` (``events``, ``sse``, ``tail``, ``first_us``) at end of stream (and already at a
+  chunk holding ``[DONE]``: a client that closes there, as the ``openai`` client does, resets the
+  stream before its end, and the filter's loop ends without reaching it), and the gRPC
   access logger ``envoy.access_loggers.http_grpc`` sends each finished request (with
   ``x-phasewise-request-id``) to the picker, flushed every ``access_log_flush_s``: how the
   picker completes requests without seeing the response (:mod:`routerd.epp.server`).
@@ -39,7 +41,8 @@ from __future__ import annotations
 import ipaddress
 from typing import Any, Literal, Sequence
 
-from routerd.epp.names import DEST_HEADER, LUA_NAMESPACE, REQUEST_ID_HEADER, SUBSET_NAMESPACE
+from routerd.epp.names import (CACHED_TOKENS_HEADER, DEST_HEADER, ENDPOINT_HEADER, LUA_NAMESPACE, REQUEST_ID_HEADER,
+                               SUBSET_NAMESPACE)
 
 #: Bytes of the response's end the Lua filter keeps (the usage event and ``[DONE]``).
 TAIL_BYTES = 1024
@@ -63,15 +66,55 @@ function envoy_on_request(handle)
 end
 """
 
+#: Efficient mode's Lua on the request: the picker sets its routing headers (the endpoint, the
+#: cached-token estimate) on the request, since no response reaches it; they are kept in the
+#: stream's dynamic metadata and taken off the request to the engine (:data:`LUA_ROUTING_RESPONSE`
+#: puts them on the response). A client's own headers of these names are removed before ext_proc.
+LUA_ROUTING_REQUEST = r"""
+  local md = handle:streamInfo():dynamicMetadata()
+  for _, name in ipairs({"ENDPOINT_HEADER", "CACHED_TOKENS_HEADER"}) do
+    local rv = h:get(name)
+    if rv ~= nil then
+      md:set("NAMESPACE", name, rv)
+      h:remove(name)
+    end
+  end
+"""
+
+#: Efficient mode's Lua on the response: the routing headers back from the metadata.
+LUA_ROUTING_RESPONSE = r"""
+  local kept = handle:streamInfo():dynamicMetadata():get("NAMESPACE")
+  if kept ~= nil then
+    for _, name in ipairs({"ENDPOINT_HEADER", "CACHED_TOKENS_HEADER"}) do
+      if kept[name] ~= nil then handle:headers():replace(name, kept[name]) end
+    end
+  end
+"""
+
 #: The efficient mode's Lua: per response chunk, in LuaJIT inside the Envoy worker.
 LUA_COUNTER = r"""
 function envoy_on_response(handle)
+ROUTING_RESPONSE
   local find, sub = string.find, string.sub
   local ct = handle:headers():get("content-type") or ""
   local sse = find(ct, "text/event-stream", 1, true) ~= nil
   local events, prev_nl, pending_cr, first_us = 0, false, false, nil
   -- The last three chunks, joined once at the end: no copy of the tail per chunk.
   local c1, c2, c3 = "", "", ""
+  local function publish()
+    local tail = sub(c1 .. c2 .. c3, -TAIL_BYTES)
+    -- The kept tail must be valid UTF-8 for the metadata: drop a cut character's continuation bytes.
+    while #tail > 0 do
+      local b = string.byte(tail, 1)
+      if b < 128 or b >= 192 then break end
+      tail = sub(tail, 2)
+    end
+    local md = handle:streamInfo():dynamicMetadata()
+    md:set("NAMESPACE", "events", events)
+    md:set("NAMESPACE", "sse", sse)
+    md:set("NAMESPACE", "tail", tail)
+    if first_us ~= nil then md:set("NAMESPACE", "first_us", first_us) end
+  end
   for chunk in handle:bodyChunks() do
     local n = chunk:length()
     if n > 0 then
@@ -100,20 +143,12 @@ function envoy_on_response(handle)
         end
       end
       c1, c2, c3 = c2, c3, s
+      -- Published at [DONE] too: a client that closes there (the openai client does) before the
+      -- body's end resets the stream, which ends this loop, and the picker would count it 499.
+      if sse and find(s, "[DONE]", 1, true) then publish() end
     end
   end
-  local tail = sub(c1 .. c2 .. c3, -TAIL_BYTES)
-  -- The kept tail must be valid UTF-8 for the metadata: drop a cut character's continuation bytes.
-  while #tail > 0 do
-    local b = string.byte(tail, 1)
-    if b < 128 or b >= 192 then break end
-    tail = sub(tail, 2)
-  end
-  local md = handle:streamInfo():dynamicMetadata()
-  md:set("NAMESPACE", "events", events)
-  md:set("NAMESPACE", "sse", sse)
-  md:set("NAMESPACE", "tail", tail)
-  if first_us ~= nil then md:set("NAMESPACE", "first_us", first_us) end
+  publish()
 end
 """
 
@@ -235,7 +270,8 @@ def build_envoy_config(*, listen_port: int = 8081, listen_host: str = "0.0.0.0",
     http_filters: list[dict[str, Any]] = [
         {"name": "envoy.filters.http.header_mutation", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [{"remove": DEST_HEADER}, {"remove": REQUEST_ID_HEADER}]}}},
+            "mutations": {"request_mutations": [{"remove": DEST_HEADER}, {"remove": REQUEST_ID_HEADER},
+                                                {"remove": ENDPOINT_HEADER}, {"remove": CACHED_TOKENS_HEADER}]}}},
         {"name": "envoy.filters.http.ext_proc", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
@@ -251,7 +287,16 @@ def build_envoy_config(*, listen_port: int = 8081, listen_host: str = "0.0.0.0",
     ]
     lua = LUA_PRIMARY.replace("DEST_HEADER", DEST_HEADER).lstrip("\n")
     if efficient:
-        lua += LUA_COUNTER.replace("TAIL_BYTES", str(TAIL_BYTES)).replace("NAMESPACE", LUA_NAMESPACE)
+        routing = {"ENDPOINT_HEADER": ENDPOINT_HEADER, "CACHED_TOKENS_HEADER": CACHED_TOKENS_HEADER}
+
+        def fill(src: str) -> str:
+            for k, v in routing.items():
+                src = src.replace(k, v)
+            return src.replace("NAMESPACE", LUA_NAMESPACE)
+
+        lua = lua.replace("\nend\n", "\n" + fill(LUA_ROUTING_REQUEST).strip("\n") + "\nend\n", 1)
+        lua += fill(LUA_COUNTER.replace("ROUTING_RESPONSE", LUA_ROUTING_RESPONSE.strip("\n"))).replace(
+            "TAIL_BYTES", str(TAIL_BYTES))
     http_filters.append({"name": "envoy.filters.http.lua", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
         "default_source_code": {"inline_string": lua}}})

@@ -18,3 +18,7 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 REQUEST_ID_HEADER = "x-phasewise-request-id"
 #: Dynamic metadata namespace the shipped Lua filter writes (efficient mode).
 LUA_NAMESPACE = "phasewise"
+#: Response headers on every routed answer (routerd's proxy and the picker): the endpoint that
+#: served, and routerd's estimate of the prompt tokens it had cached (absent with prefix scoring off).
+ENDPOINT_HEADER = "x-phasewise-endpoint"
+CACHED_TOKENS_HEADER = "x-phasewise-cached-tokens"

@@ -25,27 +25,50 @@ stream per HTTP request. Per stream, in ``FULL_DUPLEX_STREAMED`` for the request
    ["x-gateway-destination-endpoint-served"]``, when the gateway reports it, names the endpoint
    that served: a fallback moves the booking there, :meth:`Router.move`), then every body chunk
    echoed; its SSE events are counted by routerd's own relay counter (:class:`_StreamRelay`), so
-   bookkeeping, token counts and latency metrics are the proxy's. The response's end of stream
-   completes the request (:meth:`Daemon.observe_finished`, :meth:`Router.finish`).
+   bookkeeping, token counts and latency metrics are the proxy's. As routerd's proxy does, a
+   streamed request whose client did not ask for the usage event is sent on with
+   ``stream_options.include_usage`` (:func:`~routerd.daemon.proxy.with_usage`; the
+   ``content-length`` set in step 3 is the new body's), and the usage event is taken out of the
+   echoed chunks (:class:`~routerd.daemon.proxy._UsageStrip`; a chunk may then be echoed empty, or
+   an event held to the next chunk), so the count at the end is vLLM's ``completion_tokens`` even
+   when vLLM put several tokens in one event. The response's end of stream completes the request
+   (:meth:`Daemon.observe_finished`, :meth:`Router.finish`).
 
 **Efficient mode** (``epp.mode: efficient``, only with the Envoy configuration Phasewise ships,
 :func:`routerd.epp.envoy_config.build_envoy_config`): Envoy sends the picker the request only
 (response header, body and trailer modes SKIP / NONE / SKIP), so no response chunk makes a Python
 hop. How the picker knows a request ended: Envoy's Lua filter (C++/LuaJIT, in the Envoy worker)
 counts the response's SSE events and keeps its last bytes and the first chunk's time, and puts
-them in the stream's dynamic metadata (namespace ``phasewise``) at end of stream; Envoy's gRPC
+them in the stream's dynamic metadata (namespace ``phasewise``) at end of stream, and at ``[DONE]``
+(a client closing there resets the stream before its end); Envoy's gRPC
 access logger (``envoy.access_loggers.http_grpc``, flushed every ``buffer_flush_interval``)
 sends one entry per finished HTTP stream to this process's
 ``envoy.service.accesslog.v3.AccessLogService`` (on the ext_proc port). The entry carries the
 ``x-phasewise-request-id`` the picker set, the response code and flags, the upstream address that
 served (a fallback moves the booking), the times, and that metadata: the tokens follow from it by
-the proxy's rule (:func:`~routerd.daemon.proxy.stream_tokens`), and the booking is released.
+the proxy's rule (:func:`~routerd.daemon.proxy.stream_tokens`), and the booking is released. The
+request body goes unchanged in this mode (the Lua filter cannot cheaply rewrite a streamed
+response, so no usage event may be added for it to take out): a client that asked for the usage
+event gets its tokens counted exactly from it (kept in the tail); otherwise tokens are SSE events,
+fewer than vLLM generated whenever it put several tokens in one event (a 64-token stream came as
+31-63 events under load, ``shared/docs/real-vllm.md``): ``phasewise_generation_tokens_total``,
+TPOT and the predictor's bucket counts undercount such streams.
 Requests in flight are booked ``blind`` (as routerd books a non-streaming request: decoding
 while the engine counts it running), because their first token is not seen. If no entry comes
 (an access-log stream broken), the booking is released ``epp.completion_timeout_s`` after Envoy
 ended the request's ext_proc stream (``phasewise_epp_streams_total{outcome="unreported"}``): Envoy
 ends that stream as soon as the request phase is answered (Envoy 1.40, measured), so its end says
 nothing about the response and only the access-log entry completes a request.
+
+A streamed answer is complete only with vLLM's terminal ``data: [DONE]`` (the proxy's rule,
+:func:`~routerd.daemon.proxy.ends_with_done`): one the upstream cut (efficient mode: the access
+log's response flags) or ended without it is counted in ``phasewise_streams_broken_total`` and as a
+502 (outcome ``broken``), never as a completion, and marks the endpoint for passive health; in
+full-duplex mode an answer that ended without ``[DONE]`` gets the proxy's SSE error event appended.
+(In full-duplex mode Envoy ends the ext_proc stream of a request whose upstream died mid-answer as
+it ends one whose client went away: both count as cancelled, 499.) A request on another path than
+the inference routes (a probe: ``GET /health``, ``/v1/models``) is routed like any other but counted
+only as outcome ``passthrough``: not in ``phasewise_requests_total`` nor the latency and token metrics.
 
 Every stream ends in exactly one release of its booking: a ``finally`` on the stream handler for
 streams that end early (Envoy reset, client gone, picker error), :meth:`Router.finish` being
@@ -72,8 +95,9 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Histogram
 
-from routerd.daemon.proxy import (_COMPLETION_TOKENS, _DONE, REASON_HEADER, BadRequest, _StreamRelay, error_body,
-                                  parse_request, stream_tokens)
+from routerd.daemon.proxy import (_COMPLETION_TOKENS, _DONE, REASON_HEADER, BadRequest, _StreamRelay, _UsageStrip,
+                                  NO_DONE, broken_stream_event, choices_of, ends_with_done, error_body,
+                                  parse_request, routing_headers, settle_tokens, stream_tokens, with_usage)
 from routerd.daemon.grpc_api import ReadinessHealth, cancel_task
 from routerd.daemon.router import RejectedError, shown_name
 from routerd.epp.names import (DEST_HEADER, LB_NAMESPACE, LUA_NAMESPACE, REQUEST_ID_HEADER, SERVED_KEY,
@@ -119,10 +143,54 @@ class _NullTransport:
 
 _NULL = _NullTransport()
 
+
+class _Collect:
+    """What :class:`_StreamRelay` writes to in full-duplex mode when it takes the usage event out
+    (:class:`routerd.daemon.proxy._UsageStrip`): what it writes is the chunk echoed to Envoy."""
+
+    __slots__ = ("out",)
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def writelines(self, data) -> None:
+        self.out.extend(data)
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def take(self) -> bytes:
+        out = self.out
+        if not out:
+            return b""
+        self.out = []
+        return out[0] if len(out) == 1 else b"".join(out)
+
 # Constant answers, built once: gRPC serializes a message when it is written and never changes
 # it, so one object serves every stream.
 _REQUEST_TRAILERS_DONE = ep_pb2.ProcessingResponse(request_trailers=ep_pb2.TrailersResponse())
 _RESPONSE_HEADERS_DONE = ep_pb2.ProcessingResponse(response_headers=ep_pb2.HeadersResponse())
+
+
+def _routing_headers_response(b: "_Booking") -> ep_pb2.ProcessingResponse:
+    """The response-headers answer of a routed request: ``x-phasewise-endpoint`` and
+    ``x-phasewise-cached-tokens`` (:func:`routerd.daemon.proxy.routing_headers`) set on the
+    response, as routerd's proxy sets them (full-duplex mode; in efficient mode Envoy's Lua adds
+    them)."""
+    out = ep_pb2.ProcessingResponse()
+    set_headers = out.response_headers.response.header_mutation.set_headers
+    for k, v in routing_headers(b.r, b.ep):
+        h = set_headers.add()
+        h.header.key = k
+        h.header.raw_value = v.encode()
+        h.append_action = _OVERWRITE
+    return out
 _RESPONSE_TRAILERS_DONE = ep_pb2.ProcessingResponse(response_trailers=ep_pb2.TrailersResponse())
 
 
@@ -145,8 +213,11 @@ class EppMetrics:
 
     def __init__(self, registry) -> None:
         self.streams = Counter("phasewise_epp_streams", "ext_proc streams by outcome: completed (response "
-                               "ended), refused (ImmediateResponse), cancelled (ended before the response did), "
-                               "unreported (efficient mode: released without an access-log entry).",
+                               "ended), broken (a streamed answer the upstream cut or ended without 'data: "
+                               "[DONE]', also in phasewise_streams_broken_total), refused (ImmediateResponse), "
+                               "cancelled (ended before the response did), unreported (efficient mode: released "
+                               "without an access-log entry), passthrough (not an inference request, e.g. a "
+                               "probe of GET /health or /v1/models: routed, not counted as a request).",
                                ["outcome"], registry=registry)
         self.decision = Histogram("phasewise_epp_decision_seconds",
                                   "Picker CPU time per request (its thread's, time.thread_time) from the end of "
@@ -164,7 +235,8 @@ class EppMetrics:
         self.access_log_unknown = Counter("phasewise_epp_access_log_unknown",
                                           "Access-log entries naming no request the picker has booked.",
                                           registry=registry)
-        self.outcome = {o: self.streams.labels(o) for o in ("completed", "refused", "cancelled", "unreported")}
+        self.outcome = {o: self.streams.labels(o) for o in ("completed", "broken", "refused", "cancelled",
+                                                            "unreported", "passthrough")}
 
 
 def endpoint_address(ep: "EndpointState") -> str:
@@ -234,10 +306,15 @@ class _Booking:
     """One dispatched request of a stream, until its response ends (or the stream does)."""
 
     __slots__ = ("r", "ep", "t0", "path", "stream", "status", "relay", "body", "t_first", "served_checked", "rid",
-                 "stream_ended")
+                 "stream_ended", "inference", "strip", "echo")
 
-    def __init__(self, r: "Inflight", ep: "EndpointState", t0: float, path: str, stream: bool, rid: str) -> None:
+    def __init__(self, r: "Inflight", ep: "EndpointState", t0: float, path: str, stream: bool, rid: str,
+                 strip: int = 0) -> None:
         self.r = r
+        self.strip = strip
+        """Full-duplex mode: the picker asked for the usage event the client did not, to be taken
+        out of a stream of that many choices (0: not)."""
+        self.echo: _Collect | None = None
         self.ep = ep
         self.t0 = t0
         self.path = path
@@ -249,6 +326,9 @@ class _Booking:
         self.t_first: float | None = None
         self.served_checked = False
         self.stream_ended = False
+        self.inference = path in _ROUTES
+        """An inference request; else (a probe: ``GET /health``, ``/v1/models``) it is routed and
+        released without being counted as a request or a completion."""
 
 
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
@@ -265,6 +345,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         """Efficient mode: request id -> booking awaiting its access-log entry."""
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._said_mismatch = False
+        self.fingerprints: dict[str, bytes] = {}
+        """Endpoint name -> its last usage event's ``system_fingerprint`` (full-duplex mode's strip)."""
 
     # -- the stream --------------------------------------------------------------
     async def Process(self, request_iterator: AsyncIterator[ep_pb2.ProcessingRequest],
@@ -334,26 +416,39 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                         booking.status = 0
                     if booking.stream and booking.status == 200 and h.get("content-type", "").startswith(
                             "text/event-stream"):
-                        booking.relay = _StreamRelay(_NULL, False, None, booking.ep, booking.r)
+                        if booking.strip:
+                            booking.echo = _Collect()
+                            booking.relay = _StreamRelay(booking.echo, False, None, booking.ep, booking.r,
+                                                         _UsageStrip(self.fingerprints, booking.ep.name, booking.strip))
+                        else:
+                            booking.relay = _StreamRelay(_NULL, False, None, booking.ep, booking.r)
                     # A request ends before its last answer goes back: whoever sees that answer
                     # (Envoy, a test) then sees the booking released.
                     if msg.response_headers.end_of_stream:
                         done = True
                         self._complete(booking)
-                    yield _RESPONSE_HEADERS_DONE
+                    yield _routing_headers_response(booking)
                 elif which == "response_body":
                     self._served(booking, msg)
                     rb = msg.response_body
                     chunk = rb.body
+                    relay = booking.relay
                     if chunk:
-                        relay = booking.relay
                         if relay is not None:
                             relay.sink(chunk)
                         elif len(booking.body) < _KEEP_BODY:
                             booking.body += chunk
+                    echo = booking.echo
+                    if echo is not None:
+                        # What the relay passed on: the usage event taken out, events held whole.
+                        chunk = echo.take()
+                        if rb.end_of_stream:
+                            chunk += relay.flush()
                     if rb.end_of_stream:
                         done = True
-                        self._complete(booking)
+                        if self._complete(booking) and booking.relay is not None and booking.relay.at_boundary:
+                            # Ended without [DONE]: the client is told as routerd's proxy tells it.
+                            chunk = chunk + broken_stream_event(booking.ep.name, NO_DONE)
                     yield _body_response("response_body", chunk, rb.end_of_stream)
                 elif which == "response_trailers":
                     if not done:
@@ -395,6 +490,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         prompt_text = None
         prefix_input = None
         mt = None
+        strip = 0
         if kind is not None:
             try:
                 payload, stream, prompt_tokens, prompt_text, prefix_input = parse_request(kind, body)
@@ -403,6 +499,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                                              else "bad_request", code=e.code, param=e.param)) from None
             model = payload["model"]
             mt = payload.get("max_tokens", payload.get("max_completion_tokens"))
+            if stream and not self.efficient:
+                # Full-duplex mode sends the body back and sees the response: it asks vLLM for the
+                # usage event the client did not ask for, and takes it out of the echoed stream.
+                asked = with_usage(body, payload)
+                if asked is not None:
+                    body, strip = asked, choices_of(kind, payload)
             if router.model_verdict(model) != "ok":
                 verdict = await d.settle_model(model)
                 if verdict == "unknown":
@@ -446,20 +548,21 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         except RejectedError as e:
             raise _Refused(self._refusal(e.status, str(e), e.error_type, e.reason, retry_after=True)) from None
         try:
-            return self._answer(r, ep, t0, path, stream, model, exclude, headers, body, cpu, t)
+            return self._answer(r, ep, t0, path, stream, model, exclude, headers, body, cpu, t, strip)
         except BaseException:
             router.finish(r)  # booked but never answered: released here, once
             raise
 
     def _answer(self, r: "Inflight", ep: "EndpointState", t0: float, path: str, stream: bool, model: str | None,
                 exclude: frozenset[str], headers: dict[str, str], body: bytes, cpu: float,
-                t: float) -> tuple[_Booking, list[ep_pb2.ProcessingResponse]]:
-        """The booking of dispatched ``r`` and the request-phase answer (destination, then the body)."""
+                t: float, strip: int = 0) -> tuple[_Booking, list[ep_pb2.ProcessingResponse]]:
+        """The booking of dispatched ``r`` and the request-phase answer (destination, then the body:
+        the client's, or with the usage option when ``strip``)."""
         d = self.d
         router = d.router
         d.metrics.prompt_tokens.inc(r.prompt_tokens)
         rid = self._prefix + str(next(self._ids))
-        booking = _Booking(r, ep, t0, path, stream, rid)
+        booking = _Booking(r, ep, t0, path, stream, rid, strip)
         dest = [endpoint_address(ep)]
         n_fb = d.settings.epp.max_fallbacks
         if n_fb:
@@ -472,7 +575,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         common = first.request_headers.response
         common.clear_route_cache = True
         set_headers = common.header_mutation.set_headers
-        for k, v in ((DEST_HEADER, value), (REQUEST_ID_HEADER, rid)):
+        pairs = [(DEST_HEADER, value), (REQUEST_ID_HEADER, rid)]
+        if self.efficient:
+            # No response reaches the picker: the shipped Envoy's Lua filter moves these request
+            # headers onto the response (routerd.epp.envoy_config.LUA_PRIMARY).
+            pairs += routing_headers(r, ep)
+        for k, v in pairs:
             h = set_headers.add()
             h.header.key = k
             h.header.raw_value = v.encode()
@@ -525,15 +633,24 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             if endpoint_address(ep) == address and not ep.removed:
                 if self.d.router.move(b.r, ep):
                     b.ep = ep
-                    if b.relay is not None:
-                        b.relay.ep = ep
+                    relay = b.relay
+                    if relay is not None:
+                        relay.ep = ep
+                        relay.on_tokens = ep.on_tokens  # bound at its start: the old endpoint's
+                        if relay.strip is not None:
+                            relay.strip.key = ep.name
                     self.m.moved.inc()
                 return
         log.warning("the gateway reports %s served a request; no endpoint has that address", address[:200])
 
-    def _complete(self, b: _Booking) -> None:
-        """The response ended (full-duplex mode): record it like the proxy does and release."""
+    def _complete(self, b: _Booking) -> bool:
+        """The response ended (full-duplex mode): record it like the proxy does and release. Returns
+        True when it was a streamed answer that ended without ``data: [DONE]`` (counted broken)."""
         d = self.d
+        if not b.inference:
+            self.pending.pop(b.rid, None)
+            self._passthrough(b)
+            return False
         if self.pending.pop(b.rid, None) is not None and not self._said_mismatch:
             # Efficient mode, yet Envoy sends the response: its configuration is full-duplex.
             self._said_mismatch = True
@@ -541,6 +658,10 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                         "processing_mode is not the efficient one (phasewise epp --print-envoy-config --mode "
                         "efficient); completing requests from the responses")
         ep, r = b.ep, b.r
+        if b.status == 200 and b.relay is not None and not ends_with_done(b.relay.tail()):
+            # The proxy's rule (routerd.daemon.proxy): a stream without vLLM's last event is cut.
+            self._broken(b, "no_done", NO_DONE)
+            return True
         if b.status >= 500:
             ep.m.err_status.inc()
             d.router.note_failure(ep, "status")
@@ -550,6 +671,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             relay = b.relay
             if relay is not None:
                 tokens = stream_tokens(relay.tail(), relay.events, b.path.endswith("/chat/completions"))
+                settle_tokens(ep, r, tokens)
                 d.observe_finished(r, b.t0, relay.t_first, tokens)
             else:
                 m = _COMPLETION_TOKENS.search(b.body)
@@ -560,8 +682,31 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         d.metrics.count_response(b.status)
         d.router.finish(r)
         self.m.outcome["completed"].inc()
+        return False
+
+    def _broken(self, b: _Booking, reason: str, what: str) -> None:
+        """``b``'s streamed answer broke (``reason``: a ``phasewise_streams_broken_total`` reason):
+        counted as routerd's proxy counts it (a 502, an upstream error of kind stream or timeout,
+        passive health), never as a completion; released."""
+        ep, d = b.ep, self.d
+        timeout = reason == "timeout"
+        (ep.m.err_timeout if timeout else ep.m.err_stream).inc()
+        d.router.note_failure(ep, "timeout" if timeout else "stream")
+        ep.m.streams_broken[reason].inc()
+        log.warning("instance %s %s", ep.name, what)
+        d.metrics.count_response(502)
+        d.router.finish(b.r)
+        self.m.outcome["broken"].inc()
+
+    def _passthrough(self, b: _Booking) -> None:
+        """Release a request that is not inference (a probe) without counting it as one."""
+        if self.d.router.finish(b.r):
+            self.m.outcome["passthrough"].inc()
 
     def _cancelled(self, b: _Booking) -> None:
+        if not b.inference:
+            self._passthrough(b)
+            return
         relay = b.relay
         if relay is not None and _DONE in relay.tail() and not b.r.done:
             # The client read ``[DONE]`` and closed before the upstream ended its body (the openai
@@ -613,6 +758,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         if t is not None:
             t.cancel()
         log.debug("access-log entry of %s (ext_proc stream %s)", rid, "ended" if b.stream_ended else "open")
+        if not b.inference:
+            self._passthrough(b)
+            return
         d = self.d
         cp = entry.common_properties
         served = cp.upstream_remote_address.socket_address
@@ -623,7 +771,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         status = entry.response.response_code.value
         flags = cp.response_flags
         start = cp.start_time.ToNanoseconds() / 1e9 if cp.HasField("start_time") else None
-        tokens, e2e, ttft, tail = self._lua_figures(cp, b, start)
+        tokens, e2e, ttft, tail, sse = self._lua_figures(cp, b, start)
         # A client that closed after reading [DONE] (the openai client does) got the whole answer.
         client_gone = flags.downstream_connection_termination and _DONE not in tail
         broken = None if client_gone else _upstream_broke(entry, flags)
@@ -631,11 +779,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             # The upstream failed after its headers (died, reset, timed out mid-stream): the
             # client got a cut answer. Counted as routerd's proxy counts it: 502, an upstream
             # error of kind stream (or timeout), passive health.
-            (ep.m.err_timeout if broken == "timeout" else ep.m.err_stream).inc()
-            d.router.note_failure(ep, broken)
-            d.metrics.count_response(502)
-            d.router.finish(r)
-            self.m.outcome["completed"].inc()
+            self._broken(b, "timeout" if broken == "timeout" else "closed",
+                         f"broke off a stream ({entry.response.response_code_details or 'response flags'})")
+            return
+        if status == 200 and sse and not client_gone and not ends_with_done(tail):
+            # Ended cleanly for Envoy, yet without vLLM's last event (the proxy's rule).
+            self._broken(b, "no_done", NO_DONE)
             return
         if flags.upstream_connection_failure or flags.no_healthy_upstream:
             ep.m.err_connect.inc()
@@ -669,13 +818,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         d.router.finish(r)
         self.m.outcome["completed"].inc()
 
-    def _lua_figures(self, cp, b: _Booking, start: float | None) -> tuple[int, float | None, float | None, bytes]:
-        """(output tokens, E2E s, TTFT s, the response's last bytes) from the Lua filter's metadata
-        and the entry's times."""
+    def _lua_figures(self, cp, b: _Booking,
+                     start: float | None) -> tuple[int, float | None, float | None, bytes, bool]:
+        """(output tokens, E2E s, TTFT s, the response's last bytes, whether it was an SSE stream)
+        from the Lua filter's metadata and the entry's times."""
         ns = cp.metadata.filter_metadata.get(LUA_NAMESPACE) if cp.HasField("metadata") else None
         f = ns.fields if ns is not None else {}
         tail = f["tail"].string_value.encode() if "tail" in f else b""
-        if "sse" in f and f["sse"].bool_value:
+        sse = "sse" in f and f["sse"].bool_value
+        if sse:
             tokens = stream_tokens(tail, int(f["events"].number_value) if "events" in f else 0,
                                    b.path.endswith("/chat/completions"))
         else:
@@ -691,7 +842,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                 ttft = max(0.0, int(f["first_us"].string_value) / 1e6 - start)
             except ValueError:
                 ttft = None
-        return tokens, e2e, ttft, tail
+        return tokens, e2e, ttft, tail, sse
 
     def release_all(self) -> None:
         """Release every booking awaiting an access-log entry (shutdown)."""

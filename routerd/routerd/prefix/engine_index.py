@@ -24,8 +24,23 @@ What is tracked: blocks of the device cache (``medium`` None or ``"GPU"``, confi
 cache group 0 (or no group). Blocks of other media (CPU offload tiers) and other groups (hybrid
 models' sliding-window groups, which vLLM evicts on a different rule) are ignored and counted.
 Blocks of a LoRA adapter or with extra hash keys (multimodal inputs, ``cache_salt``: vLLM's
-``extra_keys``) get keys mixed with those, so neither they nor their descendants ever match a plain
-request's keys (vLLM would not give such a request a hit on them either).
+``extra_keys``) get keys mixed with those (:func:`routerd.prefix.text.extra_salt`), so neither they
+nor their descendants ever match the keys of a request without the same adapter and salt (vLLM
+would not give such a request a hit on them either); a request's own extra keys come from
+:func:`routerd.prefix.text.request_extra_keys`. An event from a vLLM that sends ``lora_name`` but
+no ``extra_keys`` (before v0.2x) gets the adapter's name as every block's extra key.
+
+**Block size.** The index keys blocks in the engine's own block size, learnt from its events
+(``BlockStored.block_size``): vLLM's default is 16 on most GPU backends and 128 on its CPU build
+(``vllm:cache_config_info``), and a router cannot assume it. ``block_size`` given at construction
+is what the configuration expects (None: nothing); the first stored event after an empty state
+(a fresh start, a clear, a loss) sets it, and ``on_block_size(expected, reported)`` is called
+when that differs from what was expected, so the caller can say so (a warning and a metric,
+never a silent drop). Until a batch is seen, :attr:`block_size` is the expected one (None when
+unknown). An engine cannot change its block size without a restart, so a stored event with
+another size while blocks are held is dropped and counted (``dropped_blocks["block_size"]``).
+A request's blocks must be keyed in :attr:`block_size` tokens per block
+(``routerd.daemon.prefix.EngineKeyed.at``).
 
 **Staleness** (:attr:`stale`, :attr:`stale_reason`): :meth:`cached_blocks` answers None, and the
 caller falls back to its approximate index, whenever the index may claim blocks the engine no
@@ -95,21 +110,25 @@ import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-import xxhash
-
 from routerd.prefix.chain import PrefixBlocks
-from routerd.prefix.text import stored_block_key, stored_block_keys
+from routerd.prefix.text import stored_block_keys
 
 if TYPE_CHECKING:
     from routerd.prefix.kv_wire import BlockRemoved, BlockStored, EventBatch
 
-__all__ = ["DROP_CAUSES", "EngineBlockIndex", "RECOVERY_CAUSES", "STALE_REASONS"]
+__all__ = ["DROP_CAUSES", "ENGINE_LOSSES", "EngineBlockIndex", "RECOVERY_CAUSES", "STALE_REASONS"]
 
 #: Why the index may answer None, in the order of the table in the module docstring.
 STALE_REASONS: tuple[str, ...] = ("no_events", "late_join", "gap", "restart", "malformed", "unkeyed", "silent",
                                   "engine_down", "disconnected")
 #: How it becomes exact (or good enough) again.
 RECOVERY_CAUSES: tuple[str, ...] = ("fresh_start", "cleared", "settled", "resumed")
+#: Causes after which the *engine* holds nothing it held before (not only this index): a new
+#: process (``fresh_start``, ``restart``), a reset cache (``cleared``), a dead or unreachable one
+#: (``engine_down``, ``disconnected``: what it held is gone if it comes back). ``on_loss`` is called
+#: with them (and ``cleared``/``fresh_start``), so other indexes forget the engine's blocks too;
+#: ``gap``, ``malformed`` and ``late_join`` lose only this index's knowledge.
+ENGINE_LOSSES: frozenset[str] = frozenset(("fresh_start", "cleared", "restart", "engine_down", "disconnected"))
 #: Why stored blocks were not (or no longer) indexed.
 DROP_CAUSES: tuple[str, ...] = ("unknown_parent", "block_size", "token_count", "token_range", "medium", "group",
                                 "bound")
@@ -131,8 +150,8 @@ class EngineBlockIndex:
     """The blocks one engine instance holds, keyed as requests key theirs, from its KV events.
 
     Args:
-        block_size: routerd's KV block size (tokens); events for another block size cannot be
-            keyed (vLLM's default 16, ``vllm/config/cache.py``).
+        block_size: the engine's KV block size (tokens) the configuration expects, or None: it is
+            learnt from the engine's first stored event either way (see the module docstring).
         max_blocks: most distinct engine block hashes held (see the module docstring); set it
             at least to the engine's ``num_gpu_blocks``.
         stale_after_s: seconds without a batch, after a dispatch that should have stored
@@ -144,15 +163,19 @@ class EngineBlockIndex:
         media: ``medium`` values tracked (compared case-insensitively; None: vLLM versions that
             send none, which is the device cache).
         clock: monotonic seconds.
+        on_block_size: called as ``on_block_size(expected, reported)`` when the engine's events
+            report a block size other than the one expected (``expected`` None: none was).
+        on_loss: called with the cause (one of :data:`ENGINE_LOSSES`) whenever the engine itself
+            lost its cached blocks (a restart, a reset, a disconnect), before new ones are indexed.
 
     Raises:
-        ValueError: ``block_size``, ``max_blocks`` or ``settle_events`` < 1, ``stale_after_s`` <= 0,
-            or ``max_unkeyed_fraction`` outside [0, 1].
+        ValueError: ``block_size`` (unless None), ``max_blocks`` or ``settle_events`` < 1,
+            ``stale_after_s`` <= 0, or ``max_unkeyed_fraction`` outside [0, 1].
     """
 
     def __init__(
         self,
-        block_size: int = 16,
+        block_size: int | None = 16,
         *,
         max_blocks: int = 262_144,
         stale_after_s: float | None = 30.0,
@@ -160,15 +183,27 @@ class EngineBlockIndex:
         max_unkeyed_fraction: float = 0.125,
         media: Iterable[str | None] = (None, "GPU"),
         clock: Callable[[], float] = time.monotonic,
+        on_block_size: Callable[[int | None, int], None] | None = None,
+        on_loss: Callable[[str], None] | None = None,
     ) -> None:
         for name, v in (("block_size", block_size), ("max_blocks", max_blocks), ("settle_events", settle_events)):
-            if not isinstance(v, int) or v < 1:
+            if name == "block_size" and v is None:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EngineBlockIndex: {name} must be an integer >= 1, got {v!r}")
         if stale_after_s is not None and not stale_after_s > 0:
             raise ValueError(f"EngineBlockIndex: stale_after_s must be > 0 or None, got {stale_after_s!r}")
         if not 0.0 <= max_unkeyed_fraction <= 1.0:
             raise ValueError(f"EngineBlockIndex: max_unkeyed_fraction must lie in [0, 1], got {max_unkeyed_fraction!r}")
-        self.block_size = block_size
+        self.block_size: int | None = block_size
+        """Tokens per block the index keys in: the engine's (learnt), or the expected one before."""
+        self.expected_block_size = block_size
+        """What the configuration expected (None: nothing)."""
+        self.reported_block_size: int | None = None
+        """The block size the engine's events last set (None before its first stored event)."""
+        self._on_block_size = on_block_size
+        self._on_loss = on_loss
+        self._bs_fixed = False  # a stored event set block_size since the last clear
         self.max_blocks = max_blocks
         self.stale_after_s = stale_after_s
         self._clock = clock
@@ -418,9 +453,17 @@ class EngineBlockIndex:
         self._silent = False
         self._lose(reason, clear=True)
 
+    def cleared(self) -> None:
+        """The engine's prefix cache was reset by a route routerd sent on (vLLM's
+        ``POST /reset_prefix_cache``): forget everything now, as its ``AllBlocksCleared`` event will
+        say at the engine's next step. The index stays as exact as it was (nothing is lost that the
+        event would not clear too); its ``on_loss`` is called with ``cleared``."""
+        self._fresh("cleared")
+
     # --- internals ----------------------------------------------------------------------------
 
     def _clear(self) -> None:
+        self._bs_fixed = False  # a new engine process (or an empty cache) may have another size
         self._by_hash.clear()
         self._copies.clear()
         self._keys.clear()
@@ -435,6 +478,8 @@ class EngineBlockIndex:
     def _lose(self, reason: str, *, clear: bool) -> None:
         if clear:
             self._clear()
+            if reason in ENGINE_LOSSES and self._on_loss is not None:
+                self._on_loss(reason)
         if not self.stale:
             self.stale_transitions[reason] += 1
         self._loss = reason
@@ -443,6 +488,8 @@ class EngineBlockIndex:
     def _fresh(self, cause: str) -> None:
         was = self.stale
         self._clear()
+        if self._on_loss is not None:
+            self._on_loss(cause)  # a new engine process, or its cache reset: nothing it held is left
         self._loss = None
         self._silent = False
         self._reset_window()
@@ -478,8 +525,11 @@ class EngineBlockIndex:
             return
         bs = self.block_size
         if ev.block_size != bs:
-            self._drop("block_size", n)
-            return
+            if self._bs_fixed:
+                self._drop("block_size", n)
+                return
+            bs = self._learn_block_size(ev.block_size)
+        self._bs_fixed = True
         if len(ev.token_ids) != n * bs:
             self._drop("token_count", n)
             return
@@ -501,28 +551,28 @@ class EngineBlockIndex:
             pkey = k
         self._record(False)
 
+    def _learn_block_size(self, reported: int) -> int:
+        """The engine's first stored event since an empty state says its block size: key in it."""
+        if self._by_hash:  # entries keyed in another size cannot be compared with new requests
+            self._clear()
+        self.block_size = reported
+        if reported != self.reported_block_size:
+            self.reported_block_size = reported
+            if reported != self.expected_block_size and self._on_block_size is not None:
+                self._on_block_size(self.expected_block_size, reported)
+        return reported
+
     def _drop(self, cause: str, n: int) -> None:
         self.dropped_blocks[cause] += n
         self._record(True)
 
     def _keys_of(self, pkey: int | None, ev: "BlockStored") -> list[int]:
-        lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
         extra = getattr(ev, "extra_keys", None)
-        if lora is None and (not extra or all(e is None for e in extra)):
-            return stored_block_keys(pkey, ev.token_ids, self.block_size)
-        # LoRA blocks and blocks with extra hash keys: vLLM mixes those into every such block's
-        # hash, so mix them into the parent key per block (their chains never meet plain ones).
-        bs = self.block_size
-        toks = ev.token_ids
-        out: list[int] = []
-        k = 0 if pkey is None else pkey
-        for j in range(len(ev.block_hashes)):
-            e = extra[j] if extra is not None and j < len(extra) else None
-            if lora is not None or e is not None:
-                k = xxhash.xxh64_intdigest(repr((lora, e)).encode(), seed=k)
-            k = stored_block_key(k, toks[j * bs:(j + 1) * bs])
-            out.append(k)
-        return out
+        if extra is None and (ev.lora_name is not None or ev.lora_id is not None):
+            # A vLLM that sends the adapter but no extra_keys: its name salts every block.
+            lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
+            extra = [(lora,)] * len(ev.block_hashes)
+        return stored_block_keys(pkey, ev.token_ids, self.block_size, extra)
 
     def _add(self, h: Any, k: int, parent: int | None) -> None:
         by_hash = self._by_hash

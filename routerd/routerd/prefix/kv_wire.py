@@ -70,6 +70,15 @@ class KVEventError(ValueError):
     """A KV-event message that is not what vLLM sends; the message names what is wrong."""
 
 
+class UnknownEventType(KVEventError):
+    """An event whose type tag this decoder does not know (a newer vLLM's, or garbage): the batch
+    is not applied in part (its other events may depend on the unknown one). ``tag``: the tag."""
+
+    def __init__(self, message: str, tag: str) -> None:
+        super().__init__(message)
+        self.tag = tag
+
+
 @dataclass(slots=True)
 class BlockStored:
     """Full blocks became cached: ``block_hashes[i]`` holds ``token_ids[i*block_size:(i+1)*block_size]``.
@@ -275,7 +284,7 @@ def _event(obj: Any, where: str) -> Event:
             raise KVEventError(f"{where}: event tag must be a string, got {_kind(tag)}")
         cls = _TAGS.get(tag)
         if cls is None:
-            raise KVEventError(f"{where}: unknown event tag {tag!r}")
+            raise UnknownEventType(f"{where}: unknown event type {tag!r} (field 'type')", tag)
         names = _SPEC[cls][0]
         if len(values) < _MIN_ARITY[cls]:
             raise KVEventError(f"{where}: {tag} needs at least {_MIN_ARITY[cls]} field(s), got {len(values)}")
@@ -288,7 +297,7 @@ def _event(obj: Any, where: str) -> Event:
             raise KVEventError(f"{where}: event tag must be a string, got {_kind(tag)}")
         cls = _TAGS.get(tag)
         if cls is None:
-            raise KVEventError(f"{where}: unknown event tag {tag!r}")
+            raise UnknownEventType(f"{where}: unknown event type {tag!r} (field 'type')", tag)
         names = _SPEC[cls][0]
         missing = [n for n in names[:_MIN_ARITY[cls]] if n not in obj]
         if missing:

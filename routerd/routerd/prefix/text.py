@@ -27,15 +27,26 @@ Two identities:
 * **tokens** (:func:`token_prefix_blocks`): ``block_size`` token ids per block, what vLLM
   caches; :func:`byte_token_ids` is the emulator's deterministic tokenizer (4 bytes per
   token), so the emulator's blocks and routerd's precise keys agree byte for byte.
+
+**Extra keys.** vLLM mixes more than token ids into a block's hash: the LoRA adapter (every
+block), the request's ``cache_salt`` (the first block only), multimodal inputs and prompt
+embeddings (``vllm/v1/core/kv_cache_utils.py``, ``generate_block_hash_extra_keys``), and
+publishes them per block in ``BlockStored.extra_keys`` untagged (``to_event_extra_keys``: the
+adapter's name, the salt itself, in that order). Two requests with equal text but another
+adapter or salt share no block there, so here neither: a block's unit hash gets
+``extra_salt(extra keys)`` added (:func:`extra_salt`, 0 without extra keys), which changes its
+key and, through the chain, every key after it. Requests compute their blocks' extra keys with
+:func:`request_extra_keys`; the engine index takes them from the events.
 """
 
 from __future__ import annotations
 
 from array import array
 from itertools import repeat
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
+import xxhash
 
 from routerd.prefix.chain import PrefixBlocks
 from routerd.tokens import BYTES_PER_TOKEN
@@ -107,11 +118,65 @@ def _mults(k: int) -> np.ndarray:
     return m
 
 
-def _chain(units: np.ndarray, root: int) -> list[int]:
-    """``key_j = P * key_{j-1} + u_j`` (mod 2^64) for all j at once; ``key_{-1} = root``."""
+#: What a block's extra keys may be: None (none), or a sequence of the values vLLM publishes
+#: (strings, bytes, numbers, nested sequences such as a multimodal ``(identifier, offset)``).
+ExtraKeys = Sequence[Any] | None
+
+
+def _canonical(x: Any) -> Any:
+    # msgpack gives lists where vLLM had tuples: compare the values, not the container type.
+    if isinstance(x, (list, tuple)):
+        return tuple(_canonical(v) for v in x)
+    return x
+
+
+def extra_salt(extra: ExtraKeys) -> int:
+    """The 64-bit value added to a block's unit hash for its extra keys (0: none).
+
+    ``extra`` is a block's entry of vLLM's ``BlockStored.extra_keys`` (a list, or None), or what
+    :func:`request_extra_keys` gives a request's block. Lists and tuples compare by value
+    (``["a1", "s"]`` and ``("a1", "s")`` give the same salt); an empty sequence is no extra key.
+    """
+    if not extra:
+        return 0
+    return xxhash.xxh64_intdigest(repr(_canonical(extra)).encode("utf-8", "backslashreplace")) | 1
+
+
+def request_extra_keys(lora_name: str | None, cache_salt: str | None, num_blocks: int) -> list[tuple] | None:
+    """Per block, the extra keys vLLM publishes for a text-only request's blocks (None: all plain).
+
+    ``vllm/v1/core/kv_cache_utils.py`` ``generate_block_hash_extra_keys``: the LoRA adapter's name
+    in every block, then the ``cache_salt`` in block 0 only (``start_token_idx == 0``), untagged
+    in events by ``to_event_extra_keys``. Checked against a real vLLM 0.32's events: ``[["a1",
+    "s1"], ["a1"], ...]`` for adapter ``a1`` with salt ``s1``, ``[["s1"], None, ...]`` for the
+    base model with it.
+    """
+    if not lora_name and not cache_salt:
+        return None
+    lora = (lora_name,) if lora_name else ()
+    out: list[tuple | None] = [lora or None] * num_blocks
+    if num_blocks and cache_salt:
+        out[0] = lora + (cache_salt,)
+    return out  # type: ignore[return-value]
+
+
+def _salts(extra_keys: Sequence[ExtraKeys] | None, n: int) -> np.ndarray | None:
+    """Per block (n of them) :func:`extra_salt` as uint64, or None when no block has extra keys."""
+    if not extra_keys:
+        return None
+    vals = [extra_salt(extra_keys[j]) if j < len(extra_keys) else 0 for j in range(n)]
+    if not any(vals):
+        return None
+    return np.array(vals, dtype=_U64)
+
+
+def _chain(units: np.ndarray, root: int, salts: np.ndarray | None = None) -> list[int]:
+    """``key_j = P * key_{j-1} + u_j (+ salt_j)`` (mod 2^64) for all j at once; ``key_{-1} = root``."""
     n = len(units)
     if n == 0:
         return []
+    if salts is not None:
+        units = units + salts[:n]
     fw, bw = _powers(n)
     acc = np.cumsum(units * bw, dtype=_U64)  # uint64 arrays wrap silently: arithmetic mod 2^64
     acc += _U64((root * P) & _MASK)
@@ -195,10 +260,12 @@ def _token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def token_prefix_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int, max_blocks: int | None = None,
-                        root: int = 0) -> PrefixBlocks:
+                        root: int = 0, extra_keys: Sequence[ExtraKeys] | None = None) -> PrefixBlocks:
     """The precise identity of a prompt: one extent per full block of ``block_size`` token ids.
 
-    Keys equal those :func:`stored_block_key` chains from a vLLM ``BlockStored`` event's token ids.
+    Keys equal those :func:`stored_block_keys` chains from a vLLM ``BlockStored`` event's token
+    ids and extra keys. ``extra_keys``: per block its extra keys (:func:`request_extra_keys`;
+    None or a shorter list: none for the blocks not covered).
 
     Raises:
         ValueError: ``block_size < 1``, ``max_blocks < 0``, or a token id outside 0 .. 2^32 - 1.
@@ -210,7 +277,8 @@ def token_prefix_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int, 
         n = max_blocks
     if n == 0:
         return PrefixBlocks((), 0, root)
-    return _blocks(_chain(_unit_hashes(_token_words(arr[: n * block_size], block_size)), root))
+    units = _unit_hashes(_token_words(arr[: n * block_size], block_size))
+    return _blocks(_chain(units, root, _salts(extra_keys, n)))
 
 
 def block_unit_ids(token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
@@ -228,12 +296,14 @@ def block_unit_ids(token_ids: Sequence[int] | np.ndarray, block_size: int) -> li
     return _unit_hashes(_token_words(arr, block_size)).tolist()
 
 
-def stored_block_keys(parent_key: int | None, token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
+def stored_block_keys(parent_key: int | None, token_ids: Sequence[int] | np.ndarray, block_size: int,
+                      extra_keys: Sequence[ExtraKeys] | None = None) -> list[int]:
     """Keys of the full blocks of ``token_ids`` stored after the block keyed ``parent_key``.
 
-    A ``BlockStored`` event carries its blocks' token ids (``block_size`` each) and its first
-    block's parent; chaining from the parent's key gives the keys :func:`token_prefix_blocks`
-    gives the same blocks inside a prompt. ``parent_key`` None: the chain's start (root 0).
+    A ``BlockStored`` event carries its blocks' token ids (``block_size`` each), their extra keys
+    and its first block's parent; chaining from the parent's key gives the keys
+    :func:`token_prefix_blocks` gives the same blocks inside a prompt with the same extra keys.
+    ``parent_key`` None: the chain's start (root 0).
 
     Raises:
         ValueError: a token id outside 0 .. 2^32 - 1, or ``block_size < 1``.
@@ -242,7 +312,8 @@ def stored_block_keys(parent_key: int | None, token_ids: Sequence[int] | np.ndar
     arr = _token_array(token_ids)
     if len(arr) < block_size:
         return []
-    return _chain(_unit_hashes(_token_words(arr, block_size)), 0 if parent_key is None else parent_key)
+    units = _unit_hashes(_token_words(arr, block_size))
+    return _chain(units, 0 if parent_key is None else parent_key, _salts(extra_keys, len(units)))
 
 
 def stored_block_key(parent_key: int | None, token_ids: Sequence[int]) -> int:

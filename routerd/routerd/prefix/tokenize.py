@@ -5,17 +5,19 @@ Precise mode keys a request by the token ids the engine will cache
 
 * ``"bytes"``: the emulator's deterministic tokenizer (:func:`routerd.prefix.text.byte_token_array`,
   4 UTF-8 bytes per token), what ``phasewise emulate`` caches and publishes;
-* a path to a Hugging Face ``tokenizer.json`` (or a model folder holding one), the file vLLM's
-  fast tokenizer loads, read with the optional ``tokenizers`` package (``pip install
-  'phasewise[tokenizer]'``), imported only here and only when asked for.
+* a path to a Hugging Face ``tokenizer.json``, or a model folder holding one (the folder vLLM
+  serves, or a copy of its tokenizer files), the file vLLM's fast tokenizer loads, read with the
+  optional ``tokenizers`` package (``pip install 'phasewise[tokenizer]'``), imported only here
+  and only when asked for. A folder's chat template (``chat_template.jinja`` or
+  ``tokenizer_config.json``'s ``chat_template``, :mod:`routerd.prefix.chat`) is loaded with it,
+  so chat requests are keyed on the ids vLLM renders and tokenizes.
 
 Special tokens: vLLM's completions API adds them by default (``add_special_tokens: bool = True`` in
 ``vllm/entrypoints/openai/completion/protocol.py``, e.g. a BOS token), its chat API does not (the
 chat template writes them; ``add_special_tokens`` defaults to False in
 ``vllm/entrypoints/openai/chat_completion/protocol.py``). :meth:`Tokenizer.encode` defaults to the
-completions rule; pass ``add_special_tokens=False`` for text a chat template rendered. (The
-``tokenizers`` package does not render chat templates: with a real model's tokenizer a chat
-request's ids match vLLM's only if the text given is what vLLM's template renders.)
+completions rule; pass ``add_special_tokens=False`` for text a chat template rendered
+(:attr:`HFTokenizer.chat_template` renders it).
 
 Bounded work: ``max_tokens`` limits the ids returned and, for long texts, the text tokenized: only
 a prefix of ``max_tokens * 8`` characters is encoded first (no tokenizer in common use averages 8
@@ -98,11 +100,19 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face fast tokenizer loaded from ``tokenizer.json`` (see :func:`load_tokenizer`)."""
+    """A Hugging Face fast tokenizer loaded from ``tokenizer.json`` (see :func:`load_tokenizer`).
 
-    def __init__(self, inner: Any, name: str) -> None:
+    Attributes:
+        chat_template: the model folder's chat template (:class:`routerd.prefix.chat.ChatTemplate`),
+            or None: a bare ``tokenizer.json``, a folder without one, or one that failed to load.
+        chat_template_error: why the folder's template could not be loaded (one line), or None.
+    """
+
+    def __init__(self, inner: Any, name: str, chat_template: Any = None, chat_template_error: str | None = None) -> None:
         self._tok = inner
         self.name = name
+        self.chat_template = chat_template
+        self.chat_template_error = chat_template_error
 
     def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
@@ -126,21 +136,28 @@ class HFTokenizer:
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer ``spec`` names: ``"bytes"``, or a ``tokenizer.json`` file or a folder holding one.
+    """The tokenizer ``spec`` names: ``"bytes"``, or a ``tokenizer.json`` file or a model folder
+    holding one (with its chat template, when the folder has one).
 
     Raises:
         TokenizerUnavailable: an empty spec, the ``tokenizers`` package missing, or a file that is
-            missing, unreadable, not JSON or not a tokenizer; one line, naming the file.
+            missing, unreadable, not JSON or not a tokenizer; one line, naming the file. A chat
+            template that cannot be loaded is not an error here: the tokenizer loads without it
+            and says why in :attr:`HFTokenizer.chat_template_error`.
     """
     spec = spec.strip()
     if spec == BYTES:
         return ByteTokenizer()
     if not spec:
-        raise TokenizerUnavailable("no tokenizer configured (set prefix.tokenizer to 'bytes' or the path of a "
-                                   "tokenizer.json)")
+        raise TokenizerUnavailable("no tokenizer configured (set prefix.tokenizer to 'bytes', a model folder or the "
+                                   "path of a tokenizer.json)")
     path = Path(spec).expanduser()
+    folder = path if path.is_dir() else path.parent
     if path.is_dir():
         path = path / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerUnavailable(f"model folder {folder} has no tokenizer.json (routerd reads Hugging Face fast "
+                                       "tokenizers)")
     if not path.is_file():
         raise TokenizerUnavailable(f"tokenizer file {path} does not exist")
     try:
@@ -167,4 +184,13 @@ def load_tokenizer(spec: str) -> Tokenizer:
     # and cut to 128): vLLM's tokenizer applies neither to a prompt, so neither is kept here.
     inner.no_padding()
     inner.no_truncation()
-    return HFTokenizer(inner, str(path))
+    from routerd.prefix.chat import ChatTemplateError, load_chat_template
+
+    template, why = None, None
+    try:
+        template = load_chat_template(folder)
+    except ChatTemplateError as e:
+        why = str(e)
+    if template is None and why is None:
+        why = f"{folder} has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json)"
+    return HFTokenizer(inner, str(path), template, why)

@@ -61,31 +61,60 @@ async def profile_endpoint(endpoint: str, *, model: str | None = None, plan=None
     plan = plan or default_plan()
     async with ProfilerClient(endpoint) as client:
         info = await client.discover(model)
+        sched = ", ".join(f"{k} {v}" for k, v in info.scheduler.items()) or "not served"
         log(f"profiling {info.model!r} at {info.base_url} (max_model_len {info.max_model_len or 'unknown'}, "
-            f"KV {info.kv_capacity_tokens or 'unknown'} tokens, vLLM metrics {'yes' if info.has_metrics else 'no'})")
+            f"KV {info.kv_capacity_tokens or 'unknown'} tokens, block size {info.block_size or 'unknown'}, vLLM "
+            f"metrics {'yes' if info.has_metrics else 'no'}, scheduler: {sched})")
         m = Measurer(client, info, plan, log)
         got = await m.prompts.calibrate(client, info.model)
-        log(f"calibration: a 1000-estimated-token prompt is {got} server tokens")
+        log(f"calibration: a 1000-token prompt is {got} server tokens ({m.prompts.ratio:.3f} tokens per 4 bytes "
+            f"+ {m.prompts.offset:.1f})")
         log("prefill batches beside a probe request:")
-        prefill_pts = await m.measure_prefill()
+        prefill_pts, pre = await _measured(m.measure_prefill, fit_prefill, "prefill_per_token_s", "prefill", m, log)
         log("decode batches:")
-        decode_pts = await m.measure_decode()
-    try:
-        dec = fit_decode(decode_pts)
-        pre = fit_prefill(prefill_pts)
-    except FitError as e:
+        decode_pts, dec = await _measured(m.measure_decode, fit_decode, None, "decode", m, log)
+    if isinstance(pre, FitError) or isinstance(dec, FitError):
+        e = pre if isinstance(pre, FitError) else dec
         raise ConfigError(f"--endpoint {endpoint}: {e}; notes: {'; '.join(m.notes) or 'none'}") from None
+    m.notes += [f.note for f in (dec, pre) if f.note]
     found: dict[str, Any] = {}
     if info.max_model_len is not None:
         found["max_model_len"] = info.max_model_len
     if info.kv_capacity_tokens is not None:
         found["kv_capacity_tokens"] = info.kv_capacity_tokens
         found["block_size"] = info.block_size
+    found.update(info.scheduler)
     found.update(overrides or {})
     prof_name = name or re.sub(r"[^A-Za-z0-9._-]+", "-", info.model).strip("-") + "-profiled"
-    profile = build_profile(prof_name, info.base_url, info.model, dec, pre, base, found)
+    profile = build_profile(prof_name, info.base_url, info.model, dec, pre, base, found,
+                            from_endpoint=[k for k in found if k not in (overrides or {})])
     text = profile_yaml(profile, plan, decode_pts, prefill_pts, dec, pre, m.notes, command)
     return ProfileResult(profile, text, dec, pre, decode_pts, prefill_pts, m.notes, time.perf_counter() - t0)
+
+
+async def _measured(measure, fit, key: str | None, what: str, m, log):
+    """``(points, fit)`` of one phase, measured again once when its points cannot be fitted or
+    the fit finds no ``key`` term (when given; a real engine on a few shared cores sometimes
+    gives a whole phase of points spoilt by other load); the fit is a :class:`FitError` when
+    both fail."""
+    from routerd.profiler.fit import FitError
+
+    for attempt in range(2):
+        points = await measure()
+        try:
+            got = fit(points)
+        except FitError as e:
+            got = e
+        if not isinstance(got, FitError) and (key is None or got.value(key) > 0):
+            return points, got
+        why = str(got) if isinstance(got, FitError) else f"the fit found {key} = 0"
+        if attempt == 0:
+            m.notes.append(f"{what} points measured again: {why}")
+            log(f"{what} points unusable ({why}); measuring them again:")
+    if not isinstance(got, FitError):
+        got = FitError(f"{what} fit: {key} came out 0 twice (the endpoint's {what} time did not grow as "
+                       "expected; is it caching prompts, or is the machine too loaded to time it?)")
+    return points, got
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -115,8 +144,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "when absent)")
     p.add_argument("--name", default=None, help="profile name (default: <model>-profiled)")
     p.add_argument("--base-profile", default=None,
-                   help="profile supplying what no endpoint reports: max_num_seqs, max_num_batched_tokens, "
-                        "chunked_prefill, grad2, heavy thresholds (default: the project's default profile)")
+                   help="profile supplying what the endpoint does not report: grad2, heavy thresholds, and "
+                        "max_num_seqs, max_num_batched_tokens, chunked_prefill unless vLLM's development "
+                        "endpoint /server_info serves them (default: the project's default profile)")
     p.add_argument("--quick", action="store_true", help="a shorter plan (fewer, smaller batches)")
     p.add_argument("--max-batch-tokens", type=int, default=2000,
                    help="largest prefill batch in tokens; keep it under the server's max_num_batched_tokens "

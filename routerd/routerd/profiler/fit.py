@@ -1,6 +1,7 @@
 """Least-squares fits of the latency model's terms from profiler points (numpy only).
 
-Decode: ``gap = overhead + k_seq * B + k_ctx * S`` over :class:`DecodePoint` rows.
+Decode: ``gap = overhead + k_seq * B + k_ctx * S`` over :class:`DecodePoint` rows, in relative
+terms (each row weighted by ``1 / gap``).
 Prefill: ``excess = k_pf * P + k_attn * sum(L**2)`` over :class:`PrefillPoint` rows
 (no intercept: the probe's baseline already holds the overhead and the decodes).
 Both use ``numpy.linalg.lstsq``; a coefficient that comes out negative (noise around
@@ -34,6 +35,8 @@ class Fit:
     observed: list[float] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
     """Indices of points left out as outliers (their residuals are still reported)."""
+    note: str = ""
+    """What the fit had to give up, for the profile's header (empty when nothing)."""
 
     def value(self, name: str) -> float:
         """Coefficient ``name``."""
@@ -104,8 +107,13 @@ def fit_decode(points: Sequence[DecodePoint]) -> Fit:
     y = np.array([p.gap_s for p in points])
     if np.linalg.matrix_rank(X) < 3:
         raise FitError("decode points do not vary batch size and context independently")
+    if np.any(y <= 0):
+        raise FitError("a decode point has a step time <= 0")
     scale = np.abs(X).max(axis=0)
-    beta, dropped = trimmed_fit(X / scale, y)
+    # Relative residuals (each row divided by its step time): a slowdown of the machine
+    # stretches a step by a share of it, so a 64-request step's noise is many times a lone
+    # request's, and absolute residuals would let the large batches decide the overhead.
+    beta, dropped = trimmed_fit(X / scale / y[:, None], np.ones_like(y))
     beta = beta / scale
     names = ["overhead_s", "decode_per_seq_s", "decode_per_ctx_token_s"]
     return Fit(names, [float(b) for b in beta], [float(r) for r in y - X @ beta], [float(v) for v in y], dropped)
@@ -127,5 +135,15 @@ def fit_prefill(points: Sequence[PrefillPoint]) -> Fit:
     scale = np.abs(X).max(axis=0)
     beta, dropped = trimmed_fit(X / scale, y)
     beta = beta / scale
+    note = ""
+    if beta[0] <= 0 < float(np.max(y)):
+        # Noise put all the growth on the quadratic term (the two columns are close when
+        # prompts are short against the per-token cost, as on small models): a profile needs
+        # the per-token cost, the attention term is the smaller one, so it goes.
+        b1, dropped = trimmed_fit(X[:, :1] / scale[:1], y)
+        beta = np.array([b1[0] / scale[0], 0.0])
+        note = (f"prefill fit: the two-term fit found no cost per token; refitted with the per-token term "
+                f"alone (prefill_attn_s = 0) over {len(points) - len(dropped)} batches")
     names = ["prefill_per_token_s", "prefill_attn_s"]
-    return Fit(names, [float(b) for b in beta], [float(r) for r in y - X @ beta], [float(v) for v in y], dropped)
+    return Fit(names, [float(b) for b in beta], [float(r) for r in y - X @ beta], [float(v) for v in y], dropped,
+               note)

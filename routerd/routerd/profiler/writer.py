@@ -5,11 +5,13 @@ slope, as in the shipped profiles), ``prefill_attn_s``, ``decode_per_seq_s``,
 ``decode_per_ctx_token_s``; ``decode_token_time_s`` is the fitted decode iteration at
 32 sequences of 1,024 context tokens (the shipped A100 profile's reference point).
 Read from the endpoint when it serves them: ``max_model_len`` (vLLM's
-``/v1/models`` card) and the KV capacity and block size (``vllm:cache_config_info``).
-Taken from a base profile (or flags): the scheduler limits ``max_num_seqs``,
-``max_num_batched_tokens`` and ``chunked_prefill``, which no endpoint reports, and
-``grad2`` and the heavy thresholds, which are the mixing estimator's scales
-(paper §5.2), not latencies, so no timing measurement can recover them.
+``/v1/models`` card), the KV capacity and block size (``vllm:cache_config_info``), and
+the scheduler limits ``max_num_seqs``, ``max_num_batched_tokens`` and ``chunked_prefill``
+(``scheduler_config`` of ``GET /server_info?config_format=json``, which vLLM serves only
+in development mode, ``VLLM_SERVER_DEV_MODE=1``). Taken from a base profile (or flags):
+the scheduler limits when not served, and ``grad2`` and the heavy thresholds, which are
+the mixing estimator's scales (paper §5.2), not latencies, so no timing measurement can
+recover them.
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ _FIELD_ORDER = ["name", "description", "overhead_s", "prefill_per_token_s", "pre
 
 
 def build_profile(name: str, endpoint: str, model: str, decode: Fit, prefill: Fit, base: HardwareProfile,
-                  overrides: dict[str, Any]) -> HardwareProfile:
-    """The profile from the fits, endpoint facts (``overrides``) and ``base`` for the rest.
+                  overrides: dict[str, Any], from_endpoint: list[str] | None = None) -> HardwareProfile:
+    """The profile from the fits, endpoint facts and flags (``overrides``) and ``base`` for the rest.
+
+    ``from_endpoint`` names the ``overrides`` the endpoint reported (default: all of them), for
+    the ``sources`` map.
 
     Raises:
         ConfigError: the combination is not a valid profile (message names the field).
@@ -57,6 +62,7 @@ def build_profile(name: str, endpoint: str, model: str, decode: Fit, prefill: Fi
         grad1=k_pf,
     )
     fields.update(overrides)
+    endpoint_facts = {k: v for k, v in overrides.items() if from_endpoint is None or k in from_endpoint}
     fields["decode_token_time_s"] = (fields["overhead_s"] + 32 * fields["decode_per_seq_s"]
                                      + 32 * 1024 * fields["decode_per_ctx_token_s"])
     fields["sources"] = {
@@ -65,11 +71,13 @@ def build_profile(name: str, endpoint: str, model: str, decode: Fit, prefill: Fi
                    f"{len(prefill.residuals)} prefill batches (rms residual {prefill.rms_s * 1e3:.3f} ms)",
         "grad1": "the fitted prefill slope (prefill_per_token_s)",
         "decode_token_time_s": "fitted decode iteration at 32 sequences x 1,024 context tokens",
-        **{k: f"read from the endpoint ({v})" for k, v in _endpoint_sources(overrides).items()},
+        **{k: f"read from the endpoint ({v})" for k, v in _endpoint_sources(endpoint_facts).items()},
         "grad2": f"mixing-estimator scale from base profile {base.name!r} (not a latency; not measurable)",
-        "scheduler limits": f"max_num_seqs, max_num_batched_tokens, chunked_prefill from base profile "
-                            f"{base.name!r} or flags (not reported by the endpoint)",
     }
+    limits = [k for k in _SCHEDULER if k not in endpoint_facts]
+    if limits:
+        fields["sources"]["scheduler limits"] = (f"{', '.join(limits)} from base profile {base.name!r} or flags "
+                                                 "(not reported by the endpoint)")
     try:
         return HardwareProfile.model_validate(fields)
     except ValidationError as e:
@@ -79,11 +87,15 @@ def build_profile(name: str, endpoint: str, model: str, decode: Fit, prefill: Fi
             from None
 
 
-def _endpoint_sources(overrides: dict[str, Any]) -> dict[str, str]:
+_SCHEDULER = ("max_num_seqs", "max_num_batched_tokens", "chunked_prefill")
+
+
+def _endpoint_sources(facts: dict[str, Any]) -> dict[str, str]:
     src = {}
-    for k in ("max_model_len", "kv_capacity_tokens", "block_size"):
-        if k in overrides:
-            src[k] = "/v1/models" if k == "max_model_len" else "vllm:cache_config_info"
+    for k in ("max_model_len", "kv_capacity_tokens", "block_size") + _SCHEDULER:
+        if k in facts:
+            src[k] = {"max_model_len": "/v1/models", "kv_capacity_tokens": "vllm:cache_config_info",
+                      "block_size": "vllm:cache_config_info"}.get(k, "/server_info scheduler_config")
     return src
 
 
@@ -98,13 +110,16 @@ def profile_yaml(profile: HardwareProfile, plan: MeasurementPlan, decode_pts: li
         "#   + prefill_attn_s*sum c*(kv+c) + decode_per_seq_s*B + decode_per_ctx_token_s*S.",
         "# Plan: " + plan.model_dump_json(),
         "#",
-        f"# Decode windows (iteration time = overhead + k_seq*B + k_ctx*S), rms residual "
+        f"# Decode windows (iteration time = overhead + k_seq*B + k_ctx*S; from: the engine's inter-token "
+        "latency histogram, or this client's read times), rms residual "
         f"{decode.rms_s * 1e3:.4f} ms, max relative {decode.max_rel:.2%}:",
-        "#   B     prompt  context_S   gap_ms    residual_ms  tokens",
+        "#   B     prompt  context_S   gap_ms    residual_ms  tokens  from    reads_gap_ms",
     ]
     for k, (p, r) in enumerate(zip(decode_pts, decode.residuals)):
+        reads = f"{p.reads_gap_s * 1e3:.4f}" if p.reads_gap_s else "-"
         lines.append(f"#   {p.batch:<5d} {p.prompt_tokens:<7d} {p.context_tokens:<11.0f} {p.gap_s * 1e3:<9.4f} "
-                     f"{r * 1e3:<+12.4f} {p.window_tokens}{'  (outlier, not fitted)' if k in decode.dropped else ''}")
+                     f"{r * 1e3:<+12.4f} {p.window_tokens:<7d} {p.source:<7} {reads}"
+                     f"{'  (outlier, not fitted)' if k in decode.dropped else ''}")
     lines += [
         "#",
         f"# Prefill batches beside a probe (excess = k_pf*P + k_attn*sum L^2), rms residual "
