@@ -324,7 +324,7 @@ def test_a_slow_client_pushes_back_on_the_instance_and_loses_nothing():
             await writer.drain()
             # Read nothing: once its buffer is full, routerd stops reading the instance.
             conns = await poll_until(lambda: list(c.d.proxy.pool._open),
-                                     lambda cs: len(cs) == 1 and not cs[0].tr.is_reading(), 15.0,
+                                     lambda cs: len(cs) == 1 and cs[0].tr is not None and not cs[0].tr.is_reading(), 15.0,
                                      "routerd's one upstream connection paused (not reading) for a client "
                                      "that reads nothing")
             assert len(conns) == 1 and not conns[0].tr.is_reading()
