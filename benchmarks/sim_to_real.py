@@ -351,18 +351,13 @@ def main() -> int:
     url = args.endpoint
     if url is None:
         sys.path.insert(0, str(ROOT / "tools"))
-        from real_vllm.engine import VLLMEngine, missing_reason, start_engines, tiny_model, venv_python
+        from real_vllm.engine import one_benchmark_engine
 
-        py = venv_python()
-        if py is None:
-            print(f"error: {missing_reason()}", file=sys.stderr)
+        engine = one_benchmark_engine("sim-to-real")
+        if isinstance(engine, str):
+            print(f"error: {engine}", file=sys.stderr)
             return 2
-        engine = VLLMEngine("sim-to-real", py, tiny_model(py), Path(tempfile.gettempdir()) / "pw-sim-to-real",
-                            lora=False, kv_events=False)
-        t0 = time.perf_counter()
-        start_engines([engine])
         url = engine.url
-        print(f"started {engine} in {time.perf_counter() - t0:.0f} s (log {engine.log_path})")
     if args.nice:
         import os
 

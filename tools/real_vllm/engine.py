@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -374,6 +375,25 @@ def start_engines(engines: Sequence[VLLMEngine], timeout_s: float = 420.0, attem
             for e in engines:
                 e.stop()
             raise
+
+
+def one_benchmark_engine(name: str) -> "VLLMEngine | str":
+    """Start one engine on the tiny model for a benchmark script (no LoRA, no KV events), logging
+    under the temp folder's ``pw-<name>``; prints where it started. Returns the engine, or the
+    reason it cannot start (no vLLM venv) for the caller to print.
+
+    Raises:
+        EngineError: it exited or was not ready in time.
+    """
+    py = venv_python()
+    if py is None:
+        return missing_reason()
+    engine = VLLMEngine(name, py, tiny_model(py), Path(tempfile.gettempdir()) / f"pw-{name}",
+                        lora=False, kv_events=False)
+    t0 = time.perf_counter()
+    start_engines([engine])
+    print(f"started {engine} in {time.perf_counter() - t0:.0f} s (log {engine.log_path})")
+    return engine
 
 
 if __name__ == "__main__":  # a quick manual check: python tools/real_vllm/engine.py

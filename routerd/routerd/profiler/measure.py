@@ -474,12 +474,7 @@ class Measurer:
             return None
         prompts = [self.prompts.make(L) for _ in range(n)]
         t_send = time.perf_counter()
-        tasks = [asyncio.create_task(self.client.complete(self.info.model, pr, 1)) for pr in prompts]
-        try:
-            res = await asyncio.gather(*tasks)
-        except BaseException:
-            await _cancel_all(tasks)
-            raise
+        res = await self._one_token_each(prompts)
         t_done = max(done for _, done, _ in res)
         times = probe.times
         if not await probe.wait_count(len(times) + q + 1):
@@ -498,6 +493,16 @@ class Measurer:
                                   f"{after_p - before:.0f} request(s)")
                 return "preempted"
         return _Batch(n, L, [pt if pt else L for _, _, pt in res], k_before, last)
+
+    async def _one_token_each(self, prompts: list[str]) -> list:
+        """Send every prompt at once for one output token; the client's results in prompt order.
+        If one fails or the caller is cancelled, the others are cancelled before it propagates."""
+        tasks = [asyncio.create_task(self.client.complete(self.info.model, pr, 1)) for pr in prompts]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            await _cancel_all(tasks)
+            raise
 
     async def _prefill_engine(self, probe: _Probe, n: int, L: int) -> "PrefillPoint | str | None":
         """One prefill batch timed by the engine: the probe's inter-token latency histogram
@@ -518,12 +523,7 @@ class Measurer:
             return None
         b_ = await self.client.inter_token_latency()
         prompts = [self.prompts.make(L) for _ in range(n)]
-        tasks = [asyncio.create_task(self.client.complete(self.info.model, pr, 1)) for pr in prompts]
-        try:
-            res = await asyncio.gather(*tasks)
-        except BaseException:
-            await _cancel_all(tasks)
-            raise
+        res = await self._one_token_each(prompts)
         if not await probe.wait_count(len(probe.times) + q):
             return None
         c = await self.client.inter_token_latency()
