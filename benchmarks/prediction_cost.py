@@ -17,8 +17,8 @@ the same requests:
 Round robin, which reads no prediction, is the reference row; it is run in every mode
 and the script checks that its figures are identical across modes (so every change is
 against one baseline). Per (load, policy, mode) the table gives the means over seeds of
-mean E2E, p90 TTFT and makespan (s), the change against round robin (mean of the
-per-seed changes in %, paired 95% t-interval: ``routerd.bench.paired_interval``), and
+mean E2E, p90 TTFT and makespan (s), the change against round robin (geometric mean of the
+per-seed ratios in %, paired 95% t-interval on the log ratios: ``routerd.bench.paired_interval``), and
 the change of mean E2E against the same policy with true buckets on the same seed
 (paired the same way): the cost of the prediction error itself. A second table gives
 the realized accuracy of each mode on the simulated requests: the share whose assigned

@@ -84,6 +84,7 @@ import numpy as np
 
 from routerd.daemon.app import _with_prefix_source
 from routerd.daemon.config import PolicyConfig, PrefixConfig
+from routerd.policies.registry import parse_policy_spec
 from routerd.daemon.prefix import PrefixIdentity
 from routerd.daemon.router import build_routing_policy, prefix_indexes
 from routerd.daemon.state import EndpointState, Inflight
@@ -196,7 +197,8 @@ def measure(name: str, m: int, tokens: int, chunk: int, n: int, load: int, conve
     matched = []
     for with_prefix in (True, False):
         # As routerd builds it: prefix_source follows the mode.
-        cfg = _with_prefix_source(PolicyConfig(name=name), "precise" if precise else "approximate")
+        pol, params = parse_policy_spec(name)
+        cfg = _with_prefix_source(PolicyConfig(name=pol, params=params), "precise" if precise else "approximate")
         policy = build_routing_policy(cfg, prof, m, near_tie=0.05)
         for ix in prefix_indexes(policy):
             ix.limit_capacity(262_144)  # routerd's default bound
@@ -411,7 +413,9 @@ def main() -> None:
     ap.add_argument("--tokens", default="1024,4096,8192", help="prompt sizes (tokens)")
     ap.add_argument("--chunk-blocks", default="4,1", help="prefix.chunk_blocks values (routerd's default first)")
     ap.add_argument("--policies", default="llmd,sglang_cache_aware,dynamo_kv,phasewise",
-                    help="','-separated policies that keep a prefix index")
+                    help="','-separated policies that keep a prefix index, or ';'-separated specs "
+                         "(name:key=value|key=value, e.g. 'phasewise;phasewise:interference_weight=0.1|"
+                         "interference_count=decoding', the default before 2026-12)")
     ap.add_argument("--load", type=int, default=16, help="requests in flight per instance")
     ap.add_argument("--conversations", type=int, default=8, help="warm-up conversations per instance")
     ap.add_argument("--memory-bound", type=int, default=262_144,
@@ -446,10 +450,15 @@ def main() -> None:
         if min(lists[flag]) < 1:
             ap.error(f"{flag}: every value at least 1, got {text!r}")
     ms, sizes, chunks = lists["--instances"], lists["--tokens"], lists["--chunk-blocks"]
-    pols = a.policies.split(",")
+    pols = a.policies.split(";") if ";" in a.policies else a.policies.split(",")
     from routerd.policies.registry import POLICIES as REGISTERED
 
-    for name in pols:
+    for spec in pols:
+        try:
+            name, params = parse_policy_spec(spec)
+            PolicyConfig(name=name, params=params)
+        except Exception as e:  # noqa: BLE001 - one line naming the spec, not a traceback
+            ap.error(f"--policies: {spec!r}: {e}".splitlines()[0])
         if name not in REGISTERED:
             ap.error(f"--policies: unknown policy {name!r}; valid: {', '.join(REGISTERED)}")
     if a.baseline == "in-place" and "precise" not in modes:

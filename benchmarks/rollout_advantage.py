@@ -238,7 +238,7 @@ def main() -> int:
             res = pool.map(validate, [(VALIDATE_INDEX_BASE + i, tau) for i in range(A.validate)])
         iv = paired_interval([e for e, _, _ in res], [b for _, b, _ in res])
         span = "" if iv.low is None else f" [{iv.low:+.2f}, {iv.high:+.2f}]"
-        print(f"tau {tau:g}: mean E2E vs {A.heuristic} {iv.mean:+.2f}%{span} (paired 95% t-interval; per sample "
+        print(f"tau {tau:g}: mean E2E vs {A.heuristic} {iv.mean:+.2f}%{span} (geometric mean, paired 95% t-interval on log ratios; per sample "
               + " ".join(f"{v:+.2f}" for v in iv.diffs) + f"); deviates at {100 * np.mean([r[2] for r in res]):.1f}% "
               "of decisions")
     return 0

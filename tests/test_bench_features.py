@@ -32,18 +32,64 @@ PROFILE = "llama2-7b-v100"
 
 
 def test_paired_interval_by_hand_on_three_seeds():
-    # Per-seed changes: (9-10)/10 = -10%, (19-20)/20 = -5%, (34-40)/40 = -15%.
+    # Per-seed ratios 9/10 = 0.9, 19/20 = 0.95, 34/40 = 0.85 (changes -10%, -5%, -15%).
     iv = paired_interval([9.0, 19.0, 34.0], [10.0, 20.0, 40.0])
     assert iv.diffs == pytest.approx((-10.0, -5.0, -15.0))
-    # mean -10; sample sd sqrt((0 + 25 + 25) / 2) = 5; t_{0.975,2} = 4.303.
-    half = 4.303 * 5.0 / math.sqrt(3)
-    assert iv.mean == pytest.approx(-10.0)
-    assert iv.low == pytest.approx(-10.0 - half) and iv.high == pytest.approx(-10.0 + half)
+    # Geometric mean ratio: cube root of 0.9 * 0.95 * 0.85 = 0.72675 -> 0.8990731, i.e. -10.0927%.
+    assert iv.mean == pytest.approx(100 * (0.72675 ** (1 / 3) - 1))
+    assert iv.mean == pytest.approx(-10.0927, abs=1e-4)
+    # Log ratios -0.1053605, -0.0512933, -0.1625189: mean -0.1063909, sample sd 0.0556199;
+    # t_{0.975,2} = 4.303, half width 4.303 * 0.0556199 / sqrt(3) = 0.1381786;
+    # exp(-0.2445695) - 1 = -21.696%, exp(0.0317877) - 1 = +3.230%.
+    assert iv.low == pytest.approx(-21.696, abs=2e-3) and iv.high == pytest.approx(3.230, abs=2e-3)
     assert iv.n == 3
     one = paired_interval([9.0], [10.0])
     assert one.mean == pytest.approx(-10.0) and one.low is None and one.high is None
     with pytest.raises(ValueError):
         paired_interval([1.0, 2.0], [1.0])
+
+
+def test_paired_interval_stays_above_minus_100_percent():
+    # Changes -90%, -50%, -10%: the t-interval of the percent changes is -50 ± 4.303 * 40 / sqrt(3)
+    # = [-149.4, +49.4], below -100% (a latency under zero). On log ratios ln 0.1, ln 0.5, ln 0.9:
+    # mean -1.0336980 (geometric mean ratio 0.045^(1/3) = 0.3556893, -64.431%), sd 1.1374970,
+    # half width 4.303 * 1.1374970 / sqrt(3) = 2.8259180: [exp(-3.859616) - 1, exp(1.792220) - 1]
+    # = [-97.892%, +500.27%].
+    iv = paired_interval([10.0, 50.0, 90.0], [100.0, 100.0, 100.0])
+    assert iv.mean == pytest.approx(-64.431, abs=1e-3)
+    assert iv.low == pytest.approx(-97.892, abs=2e-3) and iv.high == pytest.approx(500.27, abs=0.05)
+    assert -100.0 < iv.low < iv.mean < iv.high
+
+
+def test_paired_interval_matches_scipy_on_log_ratios():
+    stats = pytest.importorskip("scipy.stats")
+    import numpy as np
+
+    rng = np.random.default_rng(32)
+    for n in (2, 3, 5, 10):
+        base = rng.uniform(0.5, 50.0, n)
+        vals = base * rng.lognormal(0.0, 0.8, n)
+        iv = paired_interval(list(vals), list(base))
+        lo, hi = stats.t.interval(0.95, n - 1, loc=np.mean(np.log(vals / base)),
+                                  scale=stats.sem(np.log(vals / base)))
+        gm = stats.gmean(vals / base)
+        assert iv.mean == pytest.approx(100 * (gm - 1), rel=1e-9, abs=1e-9)
+        # 3-decimal t table against scipy's exact quantile.
+        assert 1 + iv.low / 100 == pytest.approx(math.exp(lo), rel=2e-3)
+        assert 1 + iv.high / 100 == pytest.approx(math.exp(hi), rel=2e-3)
+        assert iv.low > -100.0
+
+
+def test_paired_interval_rejects_zero_and_negative_values():
+    for vals, base in (([0.0, 1.0], [1.0, 1.0]), ([1.0, 1.0], [1.0, 0.0]), ([-1.0, 1.0], [1.0, 1.0]),
+                       ([math.nan, 1.0], [1.0, 1.0])):
+        with pytest.raises(ValueError, match="log ratios needs finite values > 0"):
+            paired_interval(vals, base)
+    from routerd.bench import paired_interval_or_nan
+
+    fb = paired_interval_or_nan([0.0, 2.0], [1.0, 1.0])
+    assert math.isnan(fb.mean) and fb.low is None and fb.high is None
+    assert fb.diffs == (-100.0, 100.0) and fb.n == 2
 
 
 def test_t_table_matches_scipy():
@@ -60,15 +106,19 @@ def test_seeds_report_paired_intervals_of_the_per_seed_runs(tmp_path, capsys):
     assert "seeds=0,1,2" in out and "[95% CI]" in out
     d = json.loads((tmp_path / "bench.json").read_text())
     assert d["seeds"] == [0, 1, 2] and len(d["per_seed"]) == 3
+    assert "l_i = ln(policy_i / round_robin_i)" in out  # the method, under the interval table
     for metric in ("e2e_mean", "ttft_p90", "makespan"):
         pol = [s["results"][1][metric] for s in d["per_seed"]]
         rr = [s["results"][0][metric] for s in d["per_seed"]]
-        diffs = [100 * (p - b) / b for p, b in zip(pol, rr)]
-        half = 4.303 * statistics.stdev(diffs) / math.sqrt(3)
+        ratios = [p / b for p, b in zip(pol, rr)]
+        # Geometric mean of the ratios; the t-interval on their logs, transformed back.
+        logs = [math.log(x) for x in ratios]
+        half = 4.303 * statistics.stdev(logs) / math.sqrt(3)
         iv = d["intervals"]["join_shortest_queue"][metric]
-        assert iv["mean_pct"] == pytest.approx(statistics.mean(diffs))
-        assert iv["low_pct"] == pytest.approx(statistics.mean(diffs) - half)
-        assert iv["high_pct"] == pytest.approx(statistics.mean(diffs) + half)
+        assert iv["mean_pct"] == pytest.approx(100 * (statistics.geometric_mean(ratios) - 1))
+        assert iv["low_pct"] == pytest.approx(100 * (statistics.geometric_mean(ratios) * math.exp(-half) - 1))
+        assert iv["high_pct"] == pytest.approx(100 * (statistics.geometric_mean(ratios) * math.exp(half) - 1))
+        assert iv["per_seed_pct"] == pytest.approx([100 * (x - 1) for x in ratios])
     # The trace is re-windowed per seed: window i holds requests 40*i .. 40*i+39 of the trace.
     trace = load_workload("sample", limit=120).requests
     for i, s in enumerate(d["per_seed"]):
@@ -308,7 +358,8 @@ def test_capacity_slo_cli_writes_json_and_plot(tmp_path, capsys):
 
 @pytest.mark.parametrize("args", [["--capacity-slo", "ttft_p95=1"], ["--capacity-slo", "ttft_p90=1", "--rate", "3"],
                                   ["--capacity-slo", "ttft_p90=1", "--slo-tolerance", "0"],
-                                  ["--load", "0"], ["--load", "1.5", "--rate", "2"], ["--seeds", "0"]])
+                                  ["--load", "0"], ["--load", "1.5", "--rate", "2"], ["--seeds", "0"],
+                                  ["--capacity-slo", "ttft_p90=1", "--jobs", "0"]])
 def test_bad_bench_options_are_one_line_errors(tmp_path, capsys, args):
     assert main(["bench", "--limit", "10", "--no-plot", "-o", str(tmp_path)] + args) == 2
     err = capsys.readouterr().err.strip()
@@ -474,7 +525,8 @@ def test_change_of_means_and_mean_of_paired_changes_are_labelled_apart():
 
     s = summarize(_simulate(load_workload("sample", limit=10).requests, "round_robin", 0))
     # Round robin p90 TTFT 10 s and 100 s over two seeds, the policy 5 s and 110 s: the change
-    # of the means is (57.5 - 55) / 55 = +4.5%, the mean of the paired changes (-50% + 10%) / 2 = -20%.
+    # of the means is (57.5 - 55) / 55 = +4.5%, the paired change the geometric mean of the
+    # ratios 0.5 and 1.1, sqrt(0.55) = 0.7416198, i.e. -25.8%.
     runs = [BenchResult("w", "p", 1, "true", seed, 1, 0, 0,
                         [PolicyResult("round_robin", replace(s, ttft_p90=rr), 0, 0, 0.0),
                          PolicyResult("jsq", replace(s, ttft_p90=pol), 0, 0, 0.0)])
@@ -484,9 +536,139 @@ def test_change_of_means_and_mean_of_paired_changes_are_labelled_apart():
     col = table[1].index("ΔTTFT p90 % of means") + len("ΔTTFT p90 % of means")
     assert table[3][:col].split()[-1] == "+4.5"
     ivs = format_intervals(seeds).splitlines()
-    head = "mean of paired Δp90 TTFT % [95% CI]"
+    head = "paired Δp90 TTFT % [95% CI]"
     assert head in ivs[1] and "of the means" in ivs[0]
     start = ivs[1].index(head)
-    assert ivs[2][start:start + len(head)].split()[0] == "-20.0"
+    assert ivs[2][start:start + len(head)].split()[0] == "-25.8"
+    assert ivs[3].startswith("Δ % [95% CI] = 100·(exp(mean(l)) - 1)") and "geometric mean" in ivs[3]
     # One seed: the plain table keeps the plain headings.
     assert "of means" not in format_table(runs[0])
+
+
+# ------------------------------------------------------------------ capacity at SLO: shared work, parallel
+
+
+def _slots(r):
+    return {k: getattr(r, k) for k in type(r).__slots__ if k != "features"}
+
+
+def test_prepared_fresh_equals_preparing_the_retimed_requests_again():
+    from routerd.sim.prepare import prepare_requests as prep_fn
+
+    # Prefix identity with clipped outputs (shared-prefix: 2,200-token prompts, 200-token outputs,
+    # max_model_len 2,300), and the sample on the V100 profile (rejected prompts), both with
+    # noisy predictions (a seeded draw per request).
+    cases = [(with_max_model_len(get_profile("llama3.1-8b-h100"), 2300),
+              load_workload("shared-prefix", n=60, rate=5.0, seed=3).requests),
+             (get_profile(PROFILE), load_workload("sample", limit=200).requests)]
+    for prof, reqs in cases:
+        base = prep_fn(reqs, prof, prediction="noisy:0.5", seed=7)
+        assert base.rejected or (base.clipped and all(r.prefix is not None for r in base.requests))
+        for rate in (0.5, 40.0):
+            moved = rescale_to_rate(reqs, rate)
+            again = prep_fn(moved, prof, prediction="noisy:0.5", seed=7)
+            fresh = base.fresh([r.arrival_s for r in moved])
+            assert [_slots(r) for r in fresh.requests] == [_slots(r) for r in again.requests]
+            assert (fresh.rejected, fresh.clipped, fresh.kept) == (again.rejected, again.clipped, again.kept)
+            assert all(a is not b for a, b in zip(fresh.requests, base.requests))  # new objects
+        # A run mutates its requests; a fresh copy starts from the prepared state again.
+        run = ClusterSimulator(prof, 2, build_policy_from_spec("round_robin", PolicyContext(prof, 2))).run(
+            base.fresh().requests)
+        assert all(r.finish_s > 0 for r in run.requests)
+        assert [_slots(r) for r in base.fresh().requests] == \
+            [_slots(r) for r in prep_fn(reqs, prof, prediction="noisy:0.5", seed=7).requests]
+
+
+def test_capacities_in_parallel_equal_the_serial_searches():
+    from routerd.bench import SloSearch, capacities_at_slo
+
+    prof = get_profile("llama3.1-8b-h100")
+    # Limits that the 80 requests can find (below the steady-rate bound): capacities 8.6-12.7 req/s.
+    limits = {"ttft_p90": 0.1, "tpot_p90": 0.01}
+    specs = ["round_robin", "late_binding", "llmd", "dynamo_kv"]
+    draws = [load_workload("shared-prefix", n=80, rate=5.0, seed=s).requests for s in (0, 1)]
+
+    def searches():
+        return [SloSearch(reqs, prof, 2, limits, seed=s, tol=0.05) for s, reqs in zip((0, 1), draws)]
+
+    serial = capacities_at_slo(searches(), specs, jobs=1)
+    parallel = capacities_at_slo(searches(), specs, jobs=2)
+    assert [list(d) for d in parallel] == [specs, specs]
+    assert [{k: c.as_dict() for k, c in d.items()} for d in parallel] == \
+        [{k: c.as_dict() for k, c in d.items()} for d in serial]
+    # ... and both equal capacity_at_slo, policy by policy (the searches as one call each).
+    for s, reqs, d in zip((0, 1), draws, serial):
+        for spec in specs:
+            one = capacity_at_slo(reqs, prof, 2, spec, limits, seed=s, tol=0.05)
+            assert one.as_dict() == d[spec].as_dict()
+    found = [c for d in serial for c in d.values()]
+    assert all(c.rate_rps > 0 and c.fail_rate_rps is not None and not c.at_bound for c in found)  # real searches
+    # Round robin's saturated throughput was the first probe of every policy (computed once).
+    for s, d, srch in zip((0, 1), serial, searches()):
+        start = round_robin_capacity(draws[s], prof, 2)
+        assert srch.start_rate == start
+        for c in d.values():
+            if c.probes:
+                assert c.probes[0][0] == min(start, c.bound_rps)
+
+
+def test_capacities_reject_bad_jobs_and_specs_before_simulating():
+    from routerd.bench import SloSearch, capacities_at_slo
+    from routerd.policies.registry import PolicyError
+
+    search = SloSearch(_tiny(), get_profile(PROFILE), 2, {"ttft_p90": 1.0})
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        capacities_at_slo([search], ["round_robin"], jobs=0)
+    with pytest.raises(PolicyError):
+        capacities_at_slo([search], ["round_robin", "no_such_policy"], jobs=2)
+    assert search._prepared == {}  # nothing was simulated
+
+
+def test_capacity_cli_jobs_gives_the_same_json(tmp_path):
+    args = ["bench", "--limit", "40", "--instances", "2", "--policies", "round_robin,join_shortest_queue,late_binding",
+            "--capacity-slo", "ttft_p90=1,tpot_p90=0.08", "--slo-tolerance", "0.05", "--seeds", "2"]
+    assert main(args + ["--jobs", "1", "-o", str(tmp_path / "a")]) == 0
+    assert main(args + ["--jobs", "2", "-o", str(tmp_path / "b")]) == 0
+    a = json.loads((tmp_path / "a" / "capacity.json").read_text())
+    b = json.loads((tmp_path / "b" / "capacity.json").read_text())
+    assert a == b and a["results"]["round_robin"][0]["rate_rps"] > 0
+
+
+def test_capacity_search_equals_the_old_serial_path():
+    # benchmarks/capacity_slo_speed.py keeps the search as it was before issue 32 (re-preparing
+    # every probe, the isolated schedule per policy); the shared-work search gives the same results.
+    from conftest import load_benchmark
+
+    old = load_benchmark("capacity_slo_speed").old_capacity_at_slo
+    prof = get_profile("llama3.1-8b-h100")
+    reqs = load_workload("shared-prefix", n=80, rate=5.0, seed=1).requests
+    for spec in ("round_robin", "late_binding", "llmd"):
+        for limits in ({"ttft_p90": 0.1, "tpot_p90": 0.01}, {"ttft_p90": 0.01}):
+            a = old(reqs, prof, 2, spec, limits, tol=0.05)
+            b = capacity_at_slo(reqs, prof, 2, spec, limits, tol=0.05)
+            assert a.as_dict() == b.as_dict()
+    a = old(_tiny(), get_profile(PROFILE), 2, "join_shortest_queue", {"ttft_p90": 1.0, "tpot_p90": 0.08}, tol=0.05)
+    b = capacity_at_slo(_tiny(), get_profile(PROFILE), 2, "join_shortest_queue", {"ttft_p90": 1.0, "tpot_p90": 0.08},
+                        tol=0.05)
+    assert a.as_dict() == b.as_dict() and a.rate_rps > 0
+
+
+def test_a_zero_metric_gives_no_interval_but_the_report_and_plot_still_render(tmp_path):
+    from dataclasses import replace
+
+    from routerd.bench_report import format_intervals, plot_changes
+
+    s = summarize(_simulate(load_workload("sample", limit=10).requests, "round_robin", 0))
+    # The policy's p90 TTFT is 0 in seed 1: no log ratio there (the plain changes are -50% and -100%).
+    runs = [BenchResult("w", "p", 1, "true", seed, 1, 0, 0,
+                        [PolicyResult("round_robin", replace(s, ttft_p90=rr), 0, 0, 0.0),
+                         PolicyResult("jsq", replace(s, ttft_p90=pol), 0, 0, 0.0)])
+            for seed, rr, pol in ((0, 10.0, 5.0), (1, 100.0, 0.0))]
+    seeds = SeedsResult(runs)
+    iv = seeds.intervals()["jsq"]["ttft_p90"]
+    assert math.isnan(iv.mean) and iv.low is None and iv.diffs == (-50.0, -100.0)
+    assert seeds.intervals()["jsq"]["e2e_mean"].mean == 0.0  # the other metrics are unaffected
+    text = format_intervals(seeds)
+    assert "n/a" in text and "has no log ratio" in text
+    assert plot_changes(seeds, tmp_path / "change.png")
+    assert (tmp_path / "change.png").read_bytes()[:4] == b"\x89PNG"

@@ -48,9 +48,11 @@ def test_prompt_overlap():
 
 def test_iv_text_and_render():
     iv = paired_interval([11.0, 12.0, 13.0], [10.0, 10.0, 10.0])  # +10, +20, +30 %
-    lo, hi = iv.low, iv.high
-    assert pc.iv_text(iv.as_dict()) == f"+20.0 [{lo:+.1f}, {hi:+.1f}]"
-    assert lo == pytest.approx(20 - 4.303 * 10 / 3 ** 0.5)
+    # Geometric mean ratio (1.1 * 1.2 * 1.3)^(1/3) = 1.716^(1/3) = 1.1972158 (+19.7%); log ratios
+    # 0.0953102, 0.1823216, 0.2623643: mean 0.1799987, sd 0.0835512, half width
+    # 4.303 * 0.0835512 / sqrt(3) = 0.2075694: exp(-0.0275707) - 1 = -2.72%, exp(0.3875681) - 1 = +47.34%.
+    assert pc.iv_text(iv.as_dict()) == "+19.7 [-2.7, +47.3]"
+    assert iv.low == pytest.approx(-2.7194, abs=2e-3) and iv.high == pytest.approx(47.34, abs=5e-3)
     assert pc.iv_text(paired_interval([9.0], [10.0]).as_dict()) == "-10.0"
     assert pc.iv_text(None) == "-"
     text = pc.render(["policy", "x"], [["rr", "1.0"], ["late_binding", "12.5"]])

@@ -122,4 +122,42 @@ def test_invariants_under_random_shared_load(seed):
         assert inst.free_blocks == inst.total_blocks  # every block back in the free pool
         inst.pc.check(inst.free_blocks)  # runs partition the free cached blocks; no holders left
         assert not inst.pc.holders
+        assert inst.pending == {}  # every dispatched prompt's pending blocks ended with its prefill
         assert 0 <= inst.prefix_hits <= inst.prefix_queries
+
+
+def test_a_dispatched_prompt_counts_as_cached_before_its_blocks_are_computed():
+    # A precise view sees what routerd sees: the engine's cached blocks plus those of prompts
+    # dispatched there whose KV events have not come (routerd.daemon.state note_pending). Two
+    # requests with the same 96-token system prompt (6 blocks) arrive together; when the second
+    # is decided the first is waiting on instance 0 with nothing computed yet.
+    from routerd.prefix.chain import prefix_blocks
+    from routerd.sim.cluster import SimInstanceView
+
+    prof = _profile()
+    seen = []
+
+    class Spy:
+        def __init__(self, ctx):
+            self.ctx = ctx
+
+        def pick(self, request, view):
+            seen.append([view.instances[i].engine_cached_blocks(request.prefix) for i in range(2)])
+            return 0
+
+        def on_complete(self, *a):
+            pass
+
+    a = Request(id=0, arrival_s=0.0, prompt_tokens=112, output_tokens=3, prefix=((1, 96), (2, 16)))
+    b = Request(id=1, arrival_s=0.0, prompt_tokens=112, output_tokens=3, prefix=((1, 96), (3, 16)))
+    prep = prepare_requests([a, b], prof, seed=0)
+    sim = ClusterSimulator(prof, 2, Spy(PolicyContext(prof, 2)))
+    run = sim.run(prep.requests)
+    # a: nothing anywhere; b: a's 6 system-prompt blocks on instance 0 (pending), none on 1.
+    assert seen == [[0, 0], [6, 0]]
+    inst = run.instances[0]
+    assert inst.pending == {} and run.requests[1].cached_tokens in (0, 96)
+    # After both ran nothing is pending: the 6 system-prompt blocks come from the cache itself.
+    view = SimInstanceView(inst, run.requests[1].finish_s, False)
+    assert view.engine_cached_blocks(prefix_blocks(((1, 96), (4, 16)), 16)) == 6
+    assert SimInstanceView(run.instances[1], 0.0, False).engine_cached_blocks(prefix_blocks(((1, 96),), 16)) == 0

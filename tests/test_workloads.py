@@ -295,7 +295,7 @@ def test_unknown_workload_lists_valid_names():
     with pytest.raises(WorkloadError) as ei:
         load_workload("foo")
     msg = str(ei.value)
-    valid = "azure-code, azure-conv, mooncake, paper-mix, public-mix, sample, shared-prefix"
+    valid = "azure-code, azure-conv, conversations, mooncake, paper-mix, public-mix, sample, shared-prefix"
     assert msg.startswith(f"unknown workload 'foo'; valid: {valid}")
     assert "\n" not in msg
     assert isinstance(ei.value, ValueError)
@@ -516,4 +516,5 @@ def test_workload_names():
     assert WORKLOAD_NAMES[0] == "sample"
     assert set(WORKLOAD_NAMES) == {
         "sample", "azure-conv", "azure-code", "mooncake", "public-mix", "paper-mix", "shared-prefix",
+        "conversations",
     }

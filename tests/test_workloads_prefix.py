@@ -366,7 +366,7 @@ def test_bench_n_help_names_shared_prefix(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "requests of a generated workload (public-mix, paper-mix, shared-prefix[:SPEC])" in out
+    assert "requests of a generated workload (public-mix, paper-mix, shared-prefix[:SPEC], conversations[:SPEC])" in out
 
 
 @pytest.mark.parametrize(("name", "words"), [

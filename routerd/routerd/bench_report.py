@@ -7,8 +7,8 @@ import csv
 from pathlib import Path
 from typing import Sequence
 
-from routerd.bench import (INTERVAL_METRICS, REQUEST_COLUMNS, BenchResult, PairedInterval, SeedsResult,
-                           SloCapacity, StudyResult, paired_interval, pct, request_rows)
+from routerd.bench import (INTERVAL_METHOD, INTERVAL_METRICS, REQUEST_COLUMNS, BenchResult, PairedInterval,
+                           SeedsResult, SloCapacity, StudyResult, paired_interval_or_nan, pct, request_rows)
 
 _COLUMNS = (
     ("policy", "{}"),
@@ -20,6 +20,10 @@ _COLUMNS = (
 )
 #: Labels of :data:`routerd.bench.INTERVAL_METRICS`.
 _METRIC_LABELS = {"e2e_mean": "mean E2E", "ttft_p90": "p90 TTFT", "makespan": "makespan"}
+#: The note printed under every table of paired intervals (:func:`routerd.bench.paired_interval`).
+INTERVAL_NOTE = ("Δ % [95% CI] = 100·(exp(mean(l)) - 1) [100·(exp(mean(l) ∓ t(0.975, n-1)·s_l/√n) - 1)], "
+                 "l_i = ln(policy_i / round_robin_i) per seed: the " + INTERVAL_METHOD
+                 + " (Bland & Altman, BMJ 1996)")
 
 
 def _cell(fmt: str, v) -> str:
@@ -36,7 +40,7 @@ def format_table(bench: BenchResult) -> str:
     """The bench as a fixed-width table (times in s, TPOT in ms, prefix hit rate in % of
     looked-up prompt tokens or "-" with no lookups, Δ in % against round_robin). On a table of
     means over seeds (``seed_label`` set) the Δ columns are headed "... of means": the change
-    of the mean, unlike :func:`format_intervals`' mean of the per-seed changes."""
+    of the mean, unlike :func:`format_intervals`' geometric mean of the per-seed ratios."""
     base = bench.baseline()
     rows = []
     for r in bench.results:
@@ -52,7 +56,7 @@ def format_table(bench: BenchResult) -> str:
         rows.append([_cell(fmt, v) for (_, fmt), v in zip(_COLUMNS, vals)])
     head = [c for c, _ in _COLUMNS]
     if bench.seed_label:
-        # Over seeds these are changes of the means, not the paired interval table's mean of changes.
+        # Over seeds these are changes of the means, not the paired interval table's geometric mean of ratios.
         head = [h + " of means" if h.startswith("Δ") else h for h in head]
     widths = [max(len(head[i]), *(len(row[i]) for row in rows)) for i in range(len(head))]
     lines = [
@@ -119,47 +123,57 @@ def format_study(study: StudyResult) -> str:
 
 
 def _iv_text(iv: PairedInterval) -> str:
+    if iv.mean != iv.mean:
+        return "n/a"  # a value <= 0 in some seed: no log ratio (paired_interval_or_nan)
     if iv.low is None:
         return f"{iv.mean:+.1f}"
     return f"{iv.mean:+.1f} [{iv.low:+.1f}, {iv.high:+.1f}]"
 
 
 def format_intervals(seeds: SeedsResult) -> str:
-    """Per policy, the change against round robin of mean E2E, p90 TTFT and makespan: mean
-    of the per-seed changes in % with its paired 95% interval
-    (:func:`routerd.bench.paired_interval`); empty without round_robin."""
+    """Per policy, the change against round robin of mean E2E, p90 TTFT and makespan: the
+    change in % of the geometric mean of the per-seed ratios with its paired 95% interval
+    on the log ratios, transformed back (:func:`routerd.bench.paired_interval`; always
+    above -100%), the method stated in a note under the table; empty without round_robin."""
     ivs = seeds.intervals()
     if not ivs:
         return ""
-    head = ["policy"] + [f"mean of paired Δ{_METRIC_LABELS[m]} % [95% CI]" for m in INTERVAL_METRICS]
+    head = ["policy"] + [f"paired Δ{_METRIC_LABELS[m]} % [95% CI]" for m in INTERVAL_METRICS]
     rows = [[spec] + [_iv_text(per[m]) for m in INTERVAL_METRICS] for spec, per in ivs.items()
             if spec != "round_robin"]
     if not rows:
         return ""
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
     lines = [f"change vs round_robin, paired over seeds {','.join(map(str, seeds.seeds))} "
-             f"(mean ± t(0.975, n-1)·s/√n of the per-seed % changes; the table above shows the change "
-             f"of the means)",
+             f"(the table above shows the change of the means)",
              "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
     for r in rows:
         lines.append("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))))
+    lines.append(INTERVAL_NOTE)
+    if any(iv.mean != iv.mean for per in ivs.values() for iv in per.values()):
+        lines.append("n/a: the metric was 0 in some seed, so it has no log ratio")
     return "\n".join(lines)
+
 
 
 def format_capacity(caps: dict[str, list[SloCapacity]], limits: dict[str, float], seeds: Sequence[int],
                     tol: float) -> str:
     """Capacity at SLO per policy: mean over seeds in req/s, the ratio to round robin's mean,
-    and with several seeds the paired 95% interval of the per-seed change in %."""
+    and the change in % against round robin (:func:`routerd.bench.paired_interval`: the
+    geometric mean of the per-seed ratios, with several seeds its paired 95% interval on the
+    log ratios; "n/a" where a capacity is 0), the method stated under the table."""
     slo = ", ".join(f"{k} <= {v:g} s" for k, v in limits.items())
     rr = caps.get("round_robin")
     rr_mean = sum(c.rate_rps for c in rr) / len(rr) if rr else None
     head = ["policy", "capacity req/s", "vs round_robin", "Δ % [95% CI]", "probes"]
     rows = []
+    undefined = False  # some Δ is n/a: a policy's capacity of 0 has no log ratio
     for spec, cs in caps.items():
         mean = sum(c.rate_rps for c in cs) / len(cs)
         ratio = f"{mean / rr_mean:.2f}x" if rr_mean else "-"
         if rr and all(c.rate_rps > 0 for c in rr):
-            delta = _iv_text(paired_interval([c.rate_rps for c in cs], [c.rate_rps for c in rr]))
+            delta = _iv_text(paired_interval_or_nan([c.rate_rps for c in cs], [c.rate_rps for c in rr]))
+            undefined = undefined or delta == "n/a"
         else:
             delta = "-"
         mark = (" (infeasible)" if any(c.infeasible for c in cs)
@@ -183,6 +197,8 @@ def format_capacity(caps: dict[str, list[SloCapacity]], limits: dict[str, float]
         lines.append("(>=): the SLO still held at the highest rate probed")
     if any(c.rate_rps == 0 and not c.infeasible for cs in caps.values() for c in cs):
         lines.append("0: the SLO failed even at the lowest rate probed")
+    if rr and all(c.rate_rps > 0 for c in rr):
+        lines.append(INTERVAL_NOTE + ("; n/a: a capacity of 0 has no log ratio" if undefined else ""))
     for spec, cs in caps.items():
         for seed, c in zip(seeds, cs):
             if c.infeasible:
@@ -240,8 +256,10 @@ def _styles(k: int):
 
 def plot_changes(seeds: SeedsResult, path: str | Path) -> bool:
     """Horizontal bars of each policy's change against round robin (mean E2E, p90 TTFT,
-    makespan, in %), with the paired 95% intervals as error bars when there are several
-    seeds. Returns False (nothing written) without round_robin."""
+    makespan, in %: the geometric mean of the per-seed ratios), with the paired 95%
+    intervals on the log ratios (:func:`routerd.bench.paired_interval`) as error bars when
+    there are several seeds; the method is stated in a caption. Returns False (nothing
+    written) without round_robin."""
     ivs = seeds.intervals()
     specs = [s for s in ivs if s != "round_robin"]
     if not specs:
@@ -256,21 +274,29 @@ def plot_changes(seeds: SeedsResult, path: str | Path) -> bool:
         vals = [ivs[s][m].mean for s in specs]
         err = None
         if seeds.runs and len(seeds.runs) > 1:
-            err = [[ivs[s][m].mean - ivs[s][m].low for s in specs], [ivs[s][m].high - ivs[s][m].mean for s in specs]]
+            # The interval is asymmetric around the geometric-mean change; none (0) where undefined.
+            err = [[ivs[s][m].mean - ivs[s][m].low if ivs[s][m].low is not None else 0.0 for s in specs],
+                   [ivs[s][m].high - ivs[s][m].mean if ivs[s][m].high is not None else 0.0 for s in specs]]
         ax.barh(y, vals, height=h, xerr=err, capsize=3, color=colors[j], label=_METRIC_LABELS[m])
     ax.axvline(0, color="black", linewidth=0.8)
     ax.set_yticks(list(range(len(specs))))
     ax.set_yticklabels(specs, fontsize=9)
     ax.invert_yaxis()
-    ax.set_xlabel("change vs round_robin (%)   ← better")
+    ax.set_xlabel("change vs round_robin (%, geometric mean of per-seed ratios)   ← better")
     ax.grid(axis="x", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     b = seeds.runs[0]
     n = len(seeds.runs)
     ax.set_title(f"{b.workload} · {b.profile} · {b.instances} instances · "
-                 + (f"{n} seeds, 95% paired intervals" if n > 1 else f"seed {b.seed} (one seed: no interval)"),
+                 + (f"{n} seeds, 95% paired intervals on log ratios" if n > 1
+                    else f"seed {b.seed} (one seed: no interval)"),
                  fontsize=10)
-    fig.tight_layout()
+    if n > 1:
+        fig.text(0.01, 0.005, "bars: change of the geometric mean of the per-seed ratios policy / round_robin; "
+                 "whiskers: paired 95% t-interval on the per-seed log ratios, transformed back by "
+                 "100·(exp(x) - 1), so always > -100% (Bland & Altman, BMJ 1996)", fontsize=7,
+                 ha="left", va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, 0.05 if n > 1 else 0, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -44,7 +44,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                         + ",".join(DEFAULT_BENCH_POLICIES) + " (a mixed --instances pool adds predicted_latency)")
     p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s); traces are rescaled")
     p.add_argument("--limit", type=int, default=None, help="first N requests of a trace")
-    p.add_argument("-n", type=int, default=None, help="requests of a generated workload (public-mix, paper-mix, shared-prefix[:SPEC])")
+    p.add_argument("-n", type=int, default=None, help="requests of a generated workload (public-mix, paper-mix, shared-prefix[:SPEC], conversations[:SPEC])")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prediction", default="true",
                    help="true (bucket of the true length) | noisy[:ACC] (right with probability ACC, default "
@@ -76,6 +76,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                         "writes capacity.json")
     p.add_argument("--slo-tolerance", type=float, default=0.02,
                    help="relative tolerance of --capacity-slo's bisection (default 0.02 = 2%%)")
+    p.add_argument("--jobs", "-j", type=int, default=None,
+                   help="worker processes for --capacity-slo's searches, one per policy and seed (default: "
+                        "the CPU count; 1 runs them in this process; results are identical either way)")
     p.add_argument("--plot", default=None, metavar="DIR",
                    help="write change.png (change vs round_robin with 95%% intervals), ttft_cdf.png and "
                         "e2e_cdf.png (capacity.png with --capacity-slo) into DIR")
@@ -286,6 +289,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError("--capacity-slo searches the arrival rate; drop --rate / --load")
         if not (0 < args.slo_tolerance <= 1):
             raise UsageError(f"--slo-tolerance must be in (0, 1], got {args.slo_tolerance}")
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs must be >= 1 worker processes, got {args.jobs}")
     if args.max_model_len is not None and args.max_model_len < 1:
         raise UsageError(f"--max-model-len must be >= 1 tokens, got {args.max_model_len}")
     if count is not None:
@@ -483,19 +488,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_capacity(args, profile, specs, per_seed, limits, out, plot_dir, outputs, format_capacity,
                     plot_capacity, capacity_at_slo, label, ref) -> int:
-    """``phasewise bench --capacity-slo``: capacity at SLO per policy and seed."""
-    from routerd.sim.capacity import round_robin_capacity
+    """``phasewise bench --capacity-slo``: capacity at SLO per policy and seed, the searches in
+    ``--jobs`` parallel processes (:func:`routerd.bench.capacities_at_slo`)."""
+    from routerd.bench import SloSearch, capacities_at_slo
 
-    caps: dict[str, list] = {spec: [] for spec in specs}
-    starts = []
-    for seed, wl, requests, prediction in per_seed:
-        # Round robin's saturated throughput is every policy's first probe (one simulation saved per policy).
-        start = round_robin_capacity(requests, profile, args.instances)
-        starts.append(start)
-        for spec in specs:
-            caps[spec].append(capacity_at_slo(requests, profile, args.instances, spec, limits, seed=seed,
-                                              prediction=prediction, tol=args.slo_tolerance, start_rate=start,
-                                              action_interval_s=args.action_interval))
+    # Round robin's saturated throughput is every policy's first probe: computed once per seed.
+    searches = [SloSearch(requests, profile, args.instances, limits, seed=seed, prediction=prediction,
+                          tol=args.slo_tolerance, action_interval_s=args.action_interval)
+                for seed, wl, requests, prediction in per_seed]
+    per = capacities_at_slo(searches, specs, jobs=args.jobs)
+    starts = [s.start_rate for s in searches]
+    caps: dict[str, list] = {spec: [p[spec] for p in per] for spec in specs}
     seeds = [s for s, _, _, _ in per_seed]
     print(f"workload={per_seed[0][1].name} profile={label} instances={args.instances} "
           f"prediction={args.prediction}")

@@ -7,6 +7,12 @@ its queue, and every ``action_interval_s`` (default 0.02 s, the paper's action
 interval, arXiv 2408.13510 §6) while its queue is non-empty. At each decision it
 offers the queue head to the policy until the policy holds (returns ``None``) or the
 queue is empty.
+
+Ticks lie on a grid of whole nanoseconds, ``k * interval_ns / 1e9`` s for integers ``k``
+(:func:`tick_time`), and the next one is the first grid time strictly after ``now``
+(:func:`next_tick`), found with exact comparisons: float division (``now / interval``)
+can round to just below an integer at large times (527269.7 / 0.02 = 26363484.999999996),
+which put the next tick at ``now`` itself and looped forever at one instant.
 """
 
 from __future__ import annotations
@@ -31,6 +37,47 @@ from routerd.prefix.chain import PrefixBlocks
 from routerd.profiles import HardwareProfile, as_pool
 from routerd.sim.instance import AdmissionGate, SimInstance
 from routerd.sim.request import DECODE, WAITING, SimRequest
+
+
+NS_PER_S = 1_000_000_000
+"""Nanoseconds per second: the router tick grid is kept in whole nanoseconds."""
+
+
+def interval_ns(interval_s: float) -> int:
+    """A tick interval in whole nanoseconds: ``round(interval_s * 1e9)`` (0.02 s -> 20,000,000).
+
+    Raises:
+        ValueError: not a finite number of seconds >= 1 ns.
+    """
+    if not (math.isfinite(interval_s) and interval_s * NS_PER_S >= 0.5):
+        raise ValueError(f"tick interval must be a finite number of seconds >= 1e-9, got {interval_s!r}")
+    return max(1, round(interval_s * NS_PER_S))
+
+
+def tick_time(k: int, step_ns: int) -> float:
+    """Time (s) of grid point ``k``: ``k * step_ns / 1e9``, computed as an integer product
+    and one correctly rounded integer division (Python's ``int / int``), so every grid point
+    is the float nearest its exact value and the grid is non-decreasing in ``k``."""
+    return k * step_ns / NS_PER_S
+
+
+def next_tick(now: float, step_ns: int) -> tuple[int, float]:
+    """``(k, t)``: the first grid point strictly after ``now`` (s) on the grid of
+    ``step_ns`` ns, ``t = tick_time(k, step_ns)``, so ``tick_time(k - 1) <= now < t``.
+
+    ``k`` is estimated in floating point and then corrected with exact float comparisons
+    against the grid points themselves, so ``t > now`` holds whatever the rounding of the
+    estimate (at 527269.7 s and 0.02 s, ``now / 0.02`` is 26363484.999999996, and
+    ``floor(now / 0.02) + 1`` times 0.02 is ``now`` again). ``t - now`` is at most one
+    interval (plus the rounding of ``t``, half an ulp). Grid points are distinct while the
+    interval exceeds the float spacing at ``now`` (at 1e9 s, 1.2e-7 s).
+    """
+    k = math.floor(now * NS_PER_S / step_ns) + 1
+    while tick_time(k - 1, step_ns) > now:
+        k -= 1
+    while tick_time(k, step_ns) <= now:
+        k += 1
+    return k, tick_time(k, step_ns)
 
 
 class SimulationError(RuntimeError):
@@ -69,9 +116,19 @@ class SimInstanceView:
 
     def engine_cached_blocks(self, prefix: PrefixBlocks) -> int:
         """Leading blocks of ``prefix`` in this instance's prefix cache (blocks), as vLLM's KV
-        events report them to a precise index; 0 with prefix caching off."""
-        pc = self._inst.pc
-        return pc.match(prefix.extents) if pc is not None else 0
+        events report them to a precise index, or held by a prompt dispatched here whose blocks
+        are not computed yet (:attr:`SimInstance.pending`: routerd counts those until their events
+        come); 0 with prefix caching off."""
+        inst = self._inst
+        pc = inst.pc
+        if pc is None:
+            return 0
+        n = pc.match(prefix.extents)
+        if inst.pending:
+            m = inst.pending_match(prefix.extents)
+            if m > n:
+                return m
+        return n
 
     def pending_prefill_tokens(self) -> int:
         """Prompt tokens still to prefill here (tokens): waiting requests' lookups as the engine
@@ -175,7 +232,8 @@ class ClusterSimulator:
             pool, :func:`routerd.profiles.as_pool`; ``self.profile`` is then the first).
         num_instances: number of instances (>= 1).
         policy: the routing policy (see :mod:`routerd.policies`).
-        action_interval_s: router tick while requests are held (s).
+        action_interval_s: router tick while requests are held (s), rounded to whole
+            nanoseconds (:func:`interval_ns`); ticks fall on its grid (:func:`next_tick`).
         admission_gate: ``"full"`` or ``"chunk"`` (see :class:`SimInstance`).
     """
 
@@ -196,6 +254,7 @@ class ClusterSimulator:
         self.profile = self.profiles[0]
         self.policy = policy
         self.action_interval_s = action_interval_s
+        self._tick_ns = interval_ns(action_interval_s)
         self._heap: list[tuple[float, int, object]] = []
         self._seq = 0
         self.instances = [
@@ -293,8 +352,9 @@ class ClusterSimulator:
             self._idle_dispatched.clear()
         if q and not self._tick_pending:
             self._tick_pending = True
-            k = math.floor(now / self.action_interval_s + 1e-9) + 1
-            self._push(k * self.action_interval_s, None)
+            # Strictly after now, on the grid (a tick at now would be popped at once, held
+            # again and re-pushed at now: a livelock at one instant).
+            self._push(next_tick(now, self._tick_ns)[1], None)
 
     def _idle_since(self, now: float) -> float:
         """Seconds every instance has been idle while the router held requests (0 if busy)."""

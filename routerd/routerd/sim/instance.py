@@ -114,6 +114,12 @@ class SimInstance:
 
         # Automatic prefix caching (vLLM V1), for requests with prefix identity.
         self.pc: PrefixCache | None = PrefixCache(self.total_blocks) if p.prefix_caching else None
+        self.pending: dict[int, dict[int, int]] = {}
+        """Blocks on their way: for each extent hash of a prompt dispatched here that has not had
+        its first token (its blocks not all computed yet), ``{leading blocks: requests}``. A
+        precise view counts them as cached, as routerd counts a dispatched prompt's blocks until
+        their KV events come (``routerd.daemon.state.EndpointState.note_pending``): without it a
+        burst sharing a prefix finds nothing cached anywhere until the first one is computed."""
         self.prefix_hits = 0
         """Prompt tokens served from the cache at first admissions (``vllm:prefix_cache_hits``)."""
         self.prefix_queries = 0
@@ -264,6 +270,8 @@ class SimInstance:
             else:
                 rid = r.response_id if r.response_id is not None else -(r.id + 1)
                 r.pst = PrefixState(sequence_extents(r.prefix, r.prompt, rid, r.output, self.bs))
+        if self.pc is not None and r.prefix is not None and r.first_token_s < 0.0:
+            self._note_pending(r.prefix.extents)
         self.waiting.append(r)
         self.n_res += 1
         self.sum_pd += r.prompt + r.pred_tokens
@@ -319,6 +327,8 @@ class SimInstance:
                     r.generated += 1
                     if r.first_token_s < 0.0:
                         r.first_token_s = now
+                        if r.prefix is not None and self.pc is not None:
+                            self._end_pending(r.prefix.extents)
                         self._on_first_token(r, now)
                     if r.generated >= r.output:
                         self._finish(r, now, r.blocks)
@@ -586,6 +596,8 @@ class SimInstance:
         self._aborting.clear()
 
     def _release(self, r: SimRequest, blocks: int, kv_tokens: int) -> None:
+        if r.first_token_s < 0.0 and r.prefix is not None and self.pc is not None:
+            self._end_pending(r.prefix.extents)
         if r.state == WAITING:
             self.fT_static -= r.generated * r.w
         self._give_back(r, blocks, kv_tokens)
@@ -594,6 +606,46 @@ class SimInstance:
         self.n_res -= 1
         self.sum_pd -= r.prompt + r.pred_tokens
         self.inv_T_sum -= r.inv_T
+
+    # ------------------------------------------------------------------ blocks on their way
+    def _note_pending(self, extents) -> None:
+        pend = self.pending
+        for h, n in extents:
+            d = pend.get(h)
+            if d is None:
+                pend[h] = {n: 1}
+            else:
+                d[n] = d.get(n, 0) + 1
+
+    def _end_pending(self, extents) -> None:
+        pend = self.pending
+        for h, n in extents:
+            d = pend[h]
+            c = d[n] - 1
+            if c:
+                d[n] = c
+            else:
+                del d[n]
+                if not d:
+                    del pend[h]
+
+    def pending_match(self, extents) -> int:
+        """Leading blocks of ``extents`` that prompts dispatched here and not yet prefilled hold
+        (blocks): the longest run through extents some pending prompt has as far (see
+        :attr:`pending`)."""
+        pend = self.pending
+        total = 0
+        for h, n in extents:
+            d = pend.get(h)
+            if d is None:
+                break
+            c = max(d)
+            if c >= n:
+                total += n
+                continue
+            total += c
+            break
+        return total
 
     # ------------------------------------------------------------------ observation
     def observe(self, t: float) -> tuple[int, int]:

@@ -10,7 +10,7 @@ finish reason ``length``).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from routerd.model import PREDICTOR_BUCKET_EDGES, Request, bucket_mid_tokens, bucket_of
@@ -35,6 +35,33 @@ class Prepared:
     """Ids of requests whose prompt is >= ``max_model_len`` (not simulated)."""
     clipped: int
     """Requests whose output was cut to ``max_model_len - prompt`` tokens."""
+    kept: list[int] = field(default_factory=list)
+    """Position in the input sequence of each simulated request (``requests[i]`` came from
+    input ``kept[i]``)."""
+
+    def fresh(self, arrival_s: Sequence[float] | None = None) -> Prepared:
+        """New simulator requests in the state :func:`prepare_requests` left them, for another
+        run of the same requests (a simulation mutates its requests, so each run needs its own).
+
+        Predictions, clipped outputs and prefix extents are what :func:`prepare_requests`
+        computed (none depends on arrival times; the extents are immutable, so shared),
+        so this equals preparing the same requests again at a fraction of the cost (on 1,000
+        Mooncake requests the extents alone take ~0.08 s per preparation).
+
+        Args:
+            arrival_s: one arrival time (s) per *input* request (the simulated ones are
+                read at ``kept``), e.g. the input rescaled to another rate; None keeps them.
+        """
+        out: list[SimRequest] = []
+        for i, r in zip(self.kept, self.requests):
+            c = SimRequest(r.id, r.arrival_s if arrival_s is None else arrival_s[i], r.prompt, r.output,
+                           r.bucket, r.pred_tokens, r.task)
+            c.response_id = r.response_id
+            c.prefix = r.prefix  # a frozen PrefixBlocks
+            c.seq_ext = r.seq_ext
+            c.seq_share = r.seq_share
+            out.append(c)
+        return Prepared(out, list(self.rejected), self.clipped, list(self.kept))
 
 
 def parse_prediction(mode: str) -> tuple[str, float]:
@@ -84,12 +111,14 @@ def prepare_requests(
     out: list[SimRequest] = []
     with_prefix: list[tuple[SimRequest, tuple[tuple[int, int], ...]]] = []
     rejected: list[int] = []
+    kept: list[int] = []
     clipped = 0
     max_len = profile.max_model_len
-    for q in requests:
+    for pos, q in enumerate(requests):
         if q.prompt_tokens >= max_len:
             rejected.append(q.id)
             continue
+        kept.append(pos)
         output = q.output_tokens
         if q.prompt_tokens + output > max_len:
             output = max_len - q.prompt_tokens
@@ -122,7 +151,7 @@ def prepare_requests(
         out.append(sr)
     if with_prefix:
         _set_extents(with_prefix, profile.block_size)
-    return Prepared(out, rejected, clipped)
+    return Prepared(out, rejected, clipped, kept)
 
 
 def _set_extents(items: list[tuple[SimRequest, tuple[tuple[int, int], ...]]], bs: int) -> None:

@@ -9,11 +9,18 @@ Public API:
 - :func:`public_mix` (real public prompt/response lengths), :func:`paper_mix`
   (synthetic stand-in for arXiv 2408.13510's mix), :func:`shared_prefix` (llm-d
   capacity-benchmark shape with prefix identity; :class:`SharedPrefixParams`,
-  :data:`SHARED_PREFIX_PRESETS`).
+  :data:`SHARED_PREFIX_PRESETS`), :func:`conversations` (multi-turn chat sessions with growing
+  history and bursty arrivals; :class:`ConversationParams`, :data:`CONVERSATION_PRESETS`).
 - :func:`load_workload`, :class:`Workload`, :data:`WORKLOAD_NAMES`,
   :func:`resolve_data_dir` - workloads by name.
 """
 
+from .conversations import (
+    CONVERSATION_PRESETS,
+    ConversationParams,
+    conversations,
+    parse_conversations_spec,
+)
 from .errors import WorkloadError
 from .paper_mix import PAPER_LONG_SHARE, PAPER_TASKS, PaperTask, expected_stats, paper_mix
 from .public_mix import DEFAULT_ALPACA_MODEL, PromptGroup, public_mix, public_mix_groups
@@ -49,6 +56,8 @@ from .traces import (
 
 __all__ = [
     "AZURE_COLUMNS",
+    "CONVERSATION_PRESETS",
+    "ConversationParams",
     "DATA_DIR_ENV",
     "DEFAULT_ALPACA_MODEL",
     "DEFAULT_N",
@@ -67,6 +76,7 @@ __all__ = [
     "WORKLOAD_NAMES",
     "Workload",
     "WorkloadError",
+    "conversations",
     "expected_stats",
     "load_azure_csv",
     "load_mooncake_jsonl",
@@ -74,6 +84,7 @@ __all__ = [
     "mean_rate",
     "mooncake_units",
     "paper_mix",
+    "parse_conversations_spec",
     "parse_shared_prefix_spec",
     "poisson_arrivals",
     "public_mix",

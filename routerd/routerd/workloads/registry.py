@@ -15,6 +15,8 @@ from pathlib import Path
 
 from routerd.model import Request
 
+from .conversations import describe as describe_conversations
+from .conversations import conversations, parse_conversations_spec
 from .errors import WorkloadError
 from .paper_mix import paper_mix
 from .public_mix import DEFAULT_ALPACA_MODEL, public_mix_groups, public_mix
@@ -25,11 +27,14 @@ from .traces import load_azure_csv, load_mooncake_jsonl, mean_rate, rescale_to_r
 #: Named workloads, the default first.
 WORKLOAD_NAMES: tuple[str, ...] = (
     "sample", "azure-conv", "azure-code", "mooncake", "public-mix", "paper-mix", "shared-prefix",
+    "conversations",
 )
 #: Names of the generated workloads (they take ``n`` and ``seed``).
-GENERATOR_NAMES: tuple[str, ...] = ("public-mix", "paper-mix", "shared-prefix")
+GENERATOR_NAMES: tuple[str, ...] = ("public-mix", "paper-mix", "shared-prefix", "conversations")
 #: ``shared-prefix:SPEC`` passes a preset and/or parameter overrides to the generator.
 SHARED_PREFIX = "shared-prefix"
+#: ``conversations:SPEC`` likewise (:mod:`routerd.workloads.conversations`).
+CONVERSATIONS = "conversations"
 DEFAULT_WORKLOAD = "sample"
 #: Generator defaults: number of requests and arrival rate (req/s).
 DEFAULT_N = 2000
@@ -185,16 +190,26 @@ def load_workload(
       ``shared-prefix:llmd-capacity``, ``shared-prefix:groups=8,jitter=0.1``. A comma in
       place of the colon is read the same (``shared-prefix,groups=8`` =
       ``shared-prefix:default,groups=8``).
+    - ``conversations`` or ``conversations:SPEC``:
+      :func:`~routerd.workloads.conversations.conversations`, SYNTHETIC multi-turn chat sessions
+      with growing history, shared system prompts and bursty, quantized arrivals (the shape of
+      the Mooncake/Kimi conversation trace). ``SPEC`` as for ``shared-prefix``: a preset
+      (``default``, ``long-sessions``, ``chat-8k``) and/or ``field=value`` overrides of
+      :class:`~routerd.workloads.conversations.ConversationParams`. Unlike the other
+      generators its own clock is meaningful (think times, 3 s timestamp steps): ``rate=None``
+      keeps it (native, about 3.5 req/s for ``default``) and a ``rate`` rescales it as a
+      trace is rescaled.
     - a path ending in ``.csv`` (Azure format, no prefix identity) or ``.jsonl`` /
       ``.jsonl.gz`` (Mooncake format; prefix identity when its lines carry ``hash_ids``).
 
     Args:
         name: a workload name or a trace file path.
-        rate: traces: rescale to this mean rate in req/s (``None`` = native timing);
-            generators: arrival rate in req/s (``None`` = 20.0).
+        rate: traces and ``conversations``: rescale to this mean rate in req/s (``None`` =
+            native timing); other generators: arrival rate in req/s (``None`` = 20.0).
         limit: keep only the first ``limit`` requests (any workload).
         n: generators only: number of requests (``None`` = 2000; ``shared-prefix``: the
-            preset's own count, 2,000 for ``default``, 3,000 for ``llmd-capacity``).
+            preset's own count, 2,000 for ``default``, 3,000 for ``llmd-capacity``;
+            ``conversations``: 2,000).
         seed: generators only: RNG seed (traces are deterministic and ignore it).
         data_dir: the shared data directory; ``None`` = :func:`resolve_data_dir`'s search.
 
@@ -228,6 +243,19 @@ def load_workload(
         desc = (f"{describe_shared_prefix(preset, params)}; {len(requests)} requests, Poisson arrivals "
                 f"at {r:g} req/s, seed {seed}")
         return Workload(name, requests, desc, r)
+    if name == CONVERSATIONS or name.startswith((CONVERSATIONS + ":", CONVERSATIONS + ",")):
+        preset, cparams, default_n = parse_conversations_spec(name[len(CONVERSATIONS) + 1:])
+        count = default_n if n is None else n
+        requests = conversations(cparams, count, seed)
+        if limit is not None:
+            requests = requests[:limit]
+        native = _native(requests)
+        desc = f"{describe_conversations(preset, cparams)}; {len(requests)} requests, seed {seed}, native " \
+               f"{native:.2f} req/s"
+        if rate is not None:
+            requests = rescale_to_rate(requests, rate)
+            desc += f", rescaled to {rate:g} req/s"
+        return Workload(name, requests, desc, native)
     if name in ("public-mix", "paper-mix"):
         count = DEFAULT_N if n is None else n
         r = DEFAULT_RATE if rate is None else float(rate)
@@ -251,7 +279,8 @@ def load_workload(
     if not (name == "sample" or name in _TRACES or is_path):
         raise WorkloadError(
             f"unknown workload {name!r}; valid: {', '.join(sorted(WORKLOAD_NAMES))} "
-            f"(shared-prefix:PRESET[,field=value...] or shared-prefix:field=value[,...]), "
+            f"(shared-prefix:PRESET[,field=value...] or shared-prefix:field=value[,...]; "
+            f"conversations:PRESET[,field=value...] likewise), "
             f"or a path to a .csv (Azure) / .jsonl / .jsonl.gz (Mooncake) trace"
         )
     if n is not None:

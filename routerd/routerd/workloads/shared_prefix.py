@@ -45,14 +45,14 @@ seed only.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from routerd.model import Request
 
 from .errors import WorkloadError
+from .spec import parse_generator_spec
 
 
 class SharedPrefixParams(BaseModel):
@@ -138,35 +138,7 @@ def parse_shared_prefix_spec(spec: str) -> tuple[str, SharedPrefixParams, int]:
         WorkloadError: unknown preset, a field that does not exist, a malformed item or an
             invalid value (one line, naming the item).
     """
-    items = [s.strip() for s in spec.split(",")] if spec.strip() else []
-    preset = DEFAULT_PRESET
-    if items and "=" not in items[0]:
-        preset = items.pop(0)
-        if preset not in SHARED_PREFIX_PRESETS:
-            raise WorkloadError(
-                f"unknown shared-prefix preset {preset!r}; valid: {', '.join(sorted(SHARED_PREFIX_PRESETS))}"
-            )
-    base, default_n = SHARED_PREFIX_PRESETS[preset]
-    overrides: dict[str, Any] = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        key = key.strip()
-        if not eq or not key:
-            raise WorkloadError(f"shared-prefix option {item!r} is not field=value (or a preset first)")
-        if key not in SharedPrefixParams.model_fields:
-            raise WorkloadError(
-                f"shared-prefix option {key!r} is not a parameter; valid: {', '.join(SharedPrefixParams.model_fields)}"
-            )
-        overrides[key] = value.strip()
-    try:
-        params = SharedPrefixParams.model_validate({**base.model_dump(), **overrides})
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "?"
-        raise WorkloadError(
-            f"shared-prefix option {field}={overrides.get(field, '')!r}: {err['msg']}"
-        ) from None
-    return preset, params, default_n
+    return parse_generator_spec("shared-prefix", spec, SHARED_PREFIX_PRESETS, DEFAULT_PRESET, SharedPrefixParams)
 
 
 def _lengths(mean: int, jitter: float, size: int, rng: np.random.Generator) -> np.ndarray:
