@@ -102,7 +102,8 @@ def test_unwritable_output_folder(capsys, tmp_path, monkeypatch):
 
 def test_cli_script_bad_input_exit_2(tmp_path):
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "robustness.py"), "--out", str(tmp_path / "o"),
-                        "--pools", "3xnope"], capture_output=True, text=True, timeout=120)
+                        "--workloads", "conversations", "--pools", "3xnope"],  # no data folder needed
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.count("\n") == 1 and "pool '3xnope'" in p.stderr
 

@@ -150,13 +150,16 @@ class Phasewise(RoutingPolicy):
         self._rng = random.Random(ctx.seed)
         self._index = PrefixIndex(self.params.index_capacity_blocks)
         # Each instance priced by its own profile: in a mixed pool an older GPU's prefill second
-        # is not a newer one's.
-        self._consts = [
-            _Consts(p.block_size, p.overhead_s, p.prefill_per_token_s, p.prefill_attn_s, p.decode_per_seq_s,
-                    p.decode_per_ctx_token_s, p.max_num_batched_tokens, p.max_num_seqs, p.max_model_len)
-            for p in ctx.profiles
-        ]
-        self._fallback = self._consts[0] if self._consts else None
+        # is not a newer one's. Instances share one entry per distinct profile, so a decision
+        # unpacks the constants once per profile, not once per instance.
+        groups: dict[_Consts, int] = {}
+        self._slot: list[int] = []
+        for prof in ctx.profiles:
+            c = _Consts(prof.block_size, prof.overhead_s, prof.prefill_per_token_s, prof.prefill_attn_s,
+                        prof.decode_per_seq_s, prof.decode_per_ctx_token_s, prof.max_num_batched_tokens,
+                        prof.max_num_seqs, prof.max_model_len)
+            self._slot.append(groups.setdefault(c, len(groups)))
+        self._groups = list(groups)
 
     def pick(self, request: RequestFeatures, view: ClusterView) -> int | None:
         p = self.params
@@ -170,14 +173,22 @@ class Phasewise(RoutingPolicy):
         keep = 1.0 - p.reserve_fraction
         index, source = self._index, p.prefix_source
         floor = math.inf  # the least own-decode term over the candidates (s)
-        consts = self._consts
-        n_consts = len(consts)
+        # Per profile, what does not depend on the instance's state: the request's KV footprint
+        # (blocks) and its own decode step beyond the batch's (s).
+        derived = [(c.bs, c.a, c.k_pf, c.k_attn, c.k_seq, c.k_ctx, c.budget, c.max_seqs,
+                    blocks_for(predicted_footprint_tokens(prompt, out, c.max_model_len), c.bs),
+                    c.k_seq + c.k_ctx * (prompt + 0.5 * out))
+                   for c in self._groups]
+        slot, n_slots = self._slot, len(self._slot)
+        cur = -1
         # pending_prefill_work and waiting_kv_blocks inlined (their views' fast paths): this loop
         # is most of a decision's cost (benchmarks/prefix_decision_cost.py).
         for inst in view.instances:
             i = inst.index
-            c = consts[i] if 0 <= i < n_consts else self._fallback
-            bs = c.bs
+            g = slot[i] if 0 <= i < n_slots else 0
+            if g != cur:
+                cur = g
+                bs, a, k_pf, k_attn, k_seq, k_ctx, budget, max_seqs, need_full, own_step = derived[g]
             h = cached_blocks(inst, prefix, index, source) if prefix is not None else 0
             cached = bs * h
             u = prompt - cached
@@ -187,25 +198,24 @@ class Phasewise(RoutingPolicy):
             s = inst.load_summary()
             bins = s.decode_bins
             B = bins[0] + bins[1] + bins[2]
-            t_dec = c.a + c.k_seq * B + c.k_ctx * s.sum_prompt_and_predicted
-            k = c.k_pf + t_dec / c.budget
-            attn = c.k_attn * u * (cached + u)
+            t_dec = a + k_seq * B + k_ctx * s.sum_prompt_and_predicted
+            k = k_pf + t_dec / budget
+            attn = k_attn * u * (cached + u)
             ppw = getattr(inst, "pending_prefill_work", None)
             if ppw is not None:
                 q_tokens, q_attended = ppw()
                 q_tokens, q_attended = int(q_tokens), int(q_attended)  # as the helper: ties stay exact
             else:
                 q_tokens, q_attended = pending_prefill_work(inst)
-            ttft = k * (q_tokens + u) + c.k_attn * q_attended + attn
-            delayed = B + s.in_prefill if waiting_too else B
-            cost = ttft + w_int * delayed * (c.k_pf * u + attn)
+            cost = (k * (q_tokens + u) + k_attn * q_attended + attn
+                    + w_int * (B + s.in_prefill if waiting_too else B) * (k_pf * u + attn))
             if w_dec:
-                own_decode = w_dec * out * (t_dec + c.k_seq + c.k_ctx * (prompt + 0.5 * out))
+                own_decode = w_dec * out * (t_dec + own_step)
                 cost += own_decode
                 if own_decode < floor:
                     floor = own_decode
             usable = int(inst.kv_total_blocks * keep)
-            need = blocks_for(predicted_footprint_tokens(prompt, out, c.max_model_len), bs) - h
+            need = need_full - h
             if need > usable:
                 need = usable
             wkv = getattr(inst, "waiting_kv_blocks", None)
@@ -214,7 +224,7 @@ class Phasewise(RoutingPolicy):
                 # vLLM makes room by preempting and later recomputing about as many tokens.
                 cost += w_pre * deficit * bs * k
                 unfit.append((cost, i))
-            elif inst.num_running + inst.num_waiting < c.max_seqs:
+            elif inst.num_running + inst.num_waiting < max_seqs:
                 fit.append((cost, i))
             else:
                 unfit.append((cost, i))
